@@ -1,0 +1,26 @@
+"""Execute a boxing plan on this rank's local part."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .._layout import GlobalMeta
+from .._process_groups import axis_group
+from .plan import BoxingPlan, axis_view
+from .transitions import transition
+
+
+def run_plan(local: torch.Tensor, plan: BoxingPlan) -> torch.Tensor:
+    """This rank's local part after ``plan``. Ranks outside the placement and empty tensors move no data."""
+    meta: GlobalMeta = plan.meta
+    coord = meta.placement.coord_of(dist.get_rank())
+    target = meta.with_sbp(plan.dst_sbp)
+    if coord is None or meta.numel == 0:
+        return local.new_empty(target.local_shape(coord))
+    for step in plan.steps:
+        row = transition(step.src, step.dst)
+        group = None if row.is_local else axis_group(meta.placement, step.axis)
+        local = row.run(local, step.src, step.dst, axis_view(meta, step.axis, coord), group)
+        meta = meta.with_sbp(meta.sbp[: step.axis] + (step.dst,) + meta.sbp[step.axis + 1 :])
+    return local

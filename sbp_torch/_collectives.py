@@ -1,0 +1,158 @@
+"""Collectives along one placement axis, in the axis' coordinate order, for uneven parts too.
+
+Every function takes an ``AxisGroup`` and works on ``torch.distributed`` only. Where gloo lacks an uneven
+collective (all-gather of unequal parts), the same bytes go through ``all_to_all_single``. A failing or
+timed-out collective raises ``CollectiveError`` saying what was being waited for.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ._process_groups import AxisGroup
+
+# torch 2.13 renamed all_gather_into_tensor; keep working on 2.11.
+_all_gather_even = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out; the message names the collective, the ranks and the tensor."""
+
+
+def _on_wire(x: torch.Tensor) -> torch.Tensor:
+    """A view of ``x`` that every backend can send and reduce: bools as bytes (max/min stay or/and),
+    complex numbers as pairs of reals."""
+    if x.dtype == torch.bool:
+        return x.view(torch.uint8)
+    if x.is_complex():
+        return torch.view_as_real(x)
+    return x
+
+
+def _off_wire(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if dtype == torch.bool:
+        return x.view(torch.bool)
+    if dtype.is_complex:
+        return torch.view_as_complex(x.contiguous())
+    return x
+
+
+def _run(what: str, group: AxisGroup, tensor: torch.Tensor, call):
+    try:
+        return call()
+    except RuntimeError as err:  # gloo reports timeouts and peer failures as RuntimeError
+        raise CollectiveError(
+            f"{what} on {group.describe()} (this rank is index {group.index}) for a {tuple(tensor.shape)} "
+            f"{tensor.dtype} tensor failed while waiting for the other ranks: {err}"
+        ) from err
+
+
+def _to_group_order(group: AxisGroup, items: list) -> list:
+    return [items[c] for c in group.coord_of_group_rank]
+
+
+def _from_group_order(group: AxisGroup, items: list) -> list:
+    out = [None] * group.size
+    for g, c in enumerate(group.coord_of_group_rank):
+        out[c] = items[g]
+    return out
+
+
+def _all_reduce(x: torch.Tensor, op: str, group: AxisGroup) -> torch.Tensor:
+    """Element-wise ``op`` of ``x`` over the group; returns a new tensor."""
+    out = x.contiguous().clone()
+    _run(f"all-reduce({op})", group, x, lambda: dist.all_reduce(out, _REDUCE_OPS[op], group.process_group))
+    return out
+
+
+def _broadcast(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+    """The group's index-0 value of ``x`` on every rank; returns a new tensor."""
+    out = x.contiguous().clone()
+    src = group.ranks[0]
+    _run("broadcast", group, x, lambda: dist.broadcast(out, src, group.process_group))
+    return out
+
+
+def _all_gather(x: torch.Tensor, dim: int, sizes: list[int], group: AxisGroup) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` in axis order; ``sizes[i]`` is rank i's extent of ``dim``."""
+    rows = x.movedim(dim, 0).contiguous()
+    if len(set(sizes)) == 1:
+        out = rows.new_empty((sizes[0] * group.size, *rows.shape[1:]))
+        _run("all-gather", group, x, lambda: _all_gather_even(out, rows, group.process_group))
+        parts = _from_group_order(group, list(out.chunk(group.size)))
+    else:
+        per_row = rows[0].numel() if rows.dim() else 1
+        received = rows.new_empty(sum(sizes) * per_row)
+        recv_counts = _to_group_order(group, [s * per_row for s in sizes])
+        send = rows.reshape(-1).repeat(group.size)
+        _run(
+            "all-gather (uneven, as all-to-all)",
+            group,
+            x,
+            lambda: dist.all_to_all_single(
+                received, send, recv_counts, [rows.numel()] * group.size, group.process_group
+            ),
+        )
+        flat_parts = _from_group_order(group, list(received.split(recv_counts)))
+        parts = [p.view(s, *rows.shape[1:]) for p, s in zip(flat_parts, sizes)]
+    return torch.cat(parts).movedim(0, dim)
+
+
+def _reduce_scatter(x: torch.Tensor, op: str, dim: int, sizes: list[int], group: AxisGroup) -> torch.Tensor:
+    """Reduce ``x`` over the group with ``op`` and keep this rank's part ``sizes[index]`` along ``dim``."""
+    rows = x.movedim(dim, 0)
+    parts = _to_group_order(group, [p.contiguous() for p in rows.split(sizes)])
+    out = rows.new_empty((sizes[group.index], *rows.shape[1:]))
+    _run(
+        f"reduce-scatter({op})",
+        group,
+        x,
+        lambda: dist.reduce_scatter(out, parts, _REDUCE_OPS[op], group.process_group),
+    )
+    return out.movedim(0, dim)
+
+
+def _all_to_all(
+    x: torch.Tensor, split_dim: int, cat_dim: int, send_sizes: list[int], recv_sizes: list[int], group: AxisGroup
+) -> torch.Tensor:
+    """Re-split: cut ``x`` along ``split_dim`` into ``send_sizes`` (part i goes to rank i), and concatenate
+    the parts received along ``cat_dim``, where rank i's part has extent ``recv_sizes[i]``."""
+    sends = [p.contiguous().reshape(-1) for p in x.split(send_sizes, dim=split_dim)]
+    recv_shapes = []
+    for size in recv_sizes:
+        shape = list(x.shape)
+        shape[split_dim] = send_sizes[group.index]
+        shape[cat_dim] = size
+        recv_shapes.append(shape)
+    recv_counts = [torch.Size(s).numel() for s in recv_shapes]
+    send_flat = torch.cat(_to_group_order(group, sends))
+    received = x.new_empty(sum(recv_counts))
+    in_counts = _to_group_order(group, [p.numel() for p in sends])
+    out_counts = _to_group_order(group, recv_counts)
+    _run(
+        "all-to-all",
+        group,
+        x,
+        lambda: dist.all_to_all_single(received, send_flat, out_counts, in_counts, group.process_group),
+    )
+    parts = _from_group_order(group, list(received.split(out_counts)))
+    return torch.cat([p.view(s) for p, s in zip(parts, recv_shapes)], dim=cat_dim)
+
+
+def _keeping_dtype(impl):
+    def wrapper(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return _off_wire(impl(_on_wire(x), *args, **kwargs), x.dtype)
+
+    wrapper.__doc__ = impl.__doc__
+    wrapper.__name__ = impl.__name__.lstrip("_")
+    return wrapper
+
+
+all_reduce = _keeping_dtype(_all_reduce)
+broadcast = _keeping_dtype(_broadcast)
+all_gather = _keeping_dtype(_all_gather)
+reduce_scatter = _keeping_dtype(_reduce_scatter)
+all_to_all = _keeping_dtype(_all_to_all)

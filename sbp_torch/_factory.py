@@ -1,0 +1,111 @@
+"""Creation of global tensors: each rank builds only its own part, with no communication."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ._boxing.plan import plan_boxing
+from ._boxing.run import run_plan
+from ._global_tensor import GlobalTensor
+from ._layout import GlobalMeta, normalize_sbp
+from ._placement import placement as Placement
+from ._random import random_region
+from ._sbp import Broadcast, Partial
+
+BROADCAST = Broadcast()
+
+
+def _size(size) -> tuple[int, ...]:
+    if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
+        size = tuple(size[0])
+    if not all(isinstance(n, int) and n >= 0 for n in size):
+        raise ValueError(f"size must be non-negative ints, got {size}")
+    return tuple(size)
+
+
+def _meta(shape, placement, sbp, dtype) -> GlobalMeta:
+    if not isinstance(placement, Placement):
+        raise TypeError(f"placement must be an sbp_torch.placement, got {type(placement).__name__}")
+    return GlobalMeta(tuple(shape), dtype, placement, normalize_sbp(sbp, placement, len(shape), dtype))
+
+
+def _build(meta: GlobalMeta, region, requires_grad: bool) -> GlobalTensor:
+    """Make the global tensor whose logical values in a box region are ``region(starts, lengths)``.
+
+    Partial axes are built as broadcast first and then made partial locally (the value on index 0 for
+    sums, everywhere for max/min), which moves no data. ``region`` gets None on ranks outside the placement.
+    """
+    coord = meta.placement.coord_of(dist.get_rank())
+    replicated_partials = tuple(BROADCAST if isinstance(s, Partial) else s for s in meta.sbp)
+    as_broadcast = meta.with_sbp(replicated_partials)
+    if coord is None:
+        region(None, None)
+        local = torch.empty(0, dtype=meta.dtype, device=meta.placement.device())
+    else:
+        local = region(*as_broadcast.region(coord)).to(meta.placement.device())
+        local = run_plan(local, plan_boxing(as_broadcast, meta.sbp))
+    return GlobalTensor(local, meta, requires_grad=requires_grad)
+
+
+def _constant(value, size, placement, sbp, dtype, requires_grad):
+    meta = _meta(_size(size), placement, sbp, dtype or torch.get_default_dtype())
+    return _build(meta, lambda s, n: None if n is None else torch.full(n, value, dtype=meta.dtype), requires_grad)
+
+
+def zeros(*size, placement, sbp, dtype=None, requires_grad=False) -> GlobalTensor:
+    """A global tensor of zeros with logical shape ``size``."""
+    return _constant(0, size, placement, sbp, dtype, requires_grad)
+
+
+def ones(*size, placement, sbp, dtype=None, requires_grad=False) -> GlobalTensor:
+    """A global tensor of ones with logical shape ``size``."""
+    return _constant(1, size, placement, sbp, dtype, requires_grad)
+
+
+def full(size, fill_value, *, placement, sbp, dtype=None, requires_grad=False) -> GlobalTensor:
+    """A global tensor filled with ``fill_value``; ``dtype`` defaults to what ``torch.full`` infers."""
+    dtype = dtype or torch.full((), fill_value).dtype
+    return _constant(fill_value, (tuple(size),), placement, sbp, dtype, requires_grad)
+
+
+def empty(*size, placement, sbp, dtype=None, requires_grad=False) -> GlobalTensor:
+    """A global tensor with uninitialised values (partial axes hold zeros off the owner)."""
+    meta = _meta(_size(size), placement, sbp, dtype or torch.get_default_dtype())
+    return _build(meta, lambda s, n: None if n is None else torch.empty(n, dtype=meta.dtype), requires_grad)
+
+
+def _random(kind, size, placement, sbp, dtype, requires_grad):
+    dtype = dtype or torch.get_default_dtype()
+    if not dtype.is_floating_point:
+        raise TypeError(f"random tensors need a floating dtype, got {dtype}")
+    meta = _meta(_size(size), placement, sbp, dtype)
+    device = placement.device()
+    return _build(meta, lambda s, n: random_region(kind, meta, s, n, device), requires_grad)
+
+
+def randn(*size, placement, sbp, dtype=None, requires_grad=False) -> GlobalTensor:
+    """Standard normal values; with equal seeds, the logical value is the same for any placement and SBP
+    (and equals ``torch.randn(size)`` on CPU)."""
+    return _random("normal", size, placement, sbp, dtype, requires_grad)
+
+
+def rand(*size, placement, sbp, dtype=None, requires_grad=False) -> GlobalTensor:
+    """Uniform values in [0, 1); same guarantee as ``randn``."""
+    return _random("uniform", size, placement, sbp, dtype, requires_grad)
+
+
+def _from_value(value: torch.Tensor, placement, sbp, requires_grad) -> GlobalTensor:
+    meta = _meta(value.shape, placement, sbp, value.dtype)
+    region = lambda s, n: None if s is None else value[tuple(slice(a, a + b) for a, b in zip(s, n))]  # noqa: E731
+    return _build(meta, region, requires_grad)
+
+
+def arange(*args, placement, sbp, dtype=None, requires_grad=False) -> GlobalTensor:
+    """``torch.arange(*args)`` as a global tensor."""
+    return _from_value(torch.arange(*args, dtype=dtype), placement, sbp, requires_grad)
+
+
+def tensor(data, *, placement, sbp, dtype=None, requires_grad=False) -> GlobalTensor:
+    """A global tensor whose logical value is ``torch.tensor(data)``; every rank must pass the same data."""
+    return _from_value(torch.tensor(data, dtype=dtype), placement, sbp, requires_grad)

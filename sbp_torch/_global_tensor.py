@@ -1,0 +1,85 @@
+"""GlobalTensor: a ``torch.Tensor`` subclass that reports the logical tensor and holds this rank's part."""
+
+from __future__ import annotations
+
+import torch
+
+from ._layout import GlobalMeta
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+class GlobalTensor(torch.Tensor):
+    """A logical tensor laid out over the ranks of a placement by one SBP per placement axis.
+
+    PyTorch sees the logical shape, stride and dtype; the data of this rank is ``to_local()``. Every aten op
+    on it goes through ``__torch_dispatch__`` (see ``_dispatch.py``), which picks a layout and inserts the
+    collectives. Build one with ``Tensor.to_global`` or the creation functions, not directly.
+    """
+
+    _local: torch.Tensor
+    _meta: GlobalMeta
+    __slots__ = ("_local", "_meta")
+
+    @staticmethod
+    def __new__(cls, local: torch.Tensor, meta: GlobalMeta, requires_grad: bool = False):
+        out = torch.Tensor._make_wrapper_subclass(
+            cls,
+            meta.shape,
+            strides=contiguous_strides(meta.shape),
+            dtype=meta.dtype,
+            device=local.device,
+            requires_grad=requires_grad,
+        )
+        out._local = local
+        out._meta = meta
+        return out
+
+    # Ops reach __torch_dispatch__ with autograd already handled; no __torch_function__ wrapping is needed.
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from ._dispatch import dispatch
+
+        return dispatch(func, args, kwargs or {})
+
+    @property
+    def placement(self):
+        """The placement whose ranks hold this tensor."""
+        return self._meta.placement
+
+    @property
+    def sbp(self) -> tuple:
+        """One SBP per placement axis, as a tuple."""
+        return self._meta.sbp
+
+    def to_local(self, *, grad_sbp=None) -> torch.Tensor:
+        """This rank's part (empty on a rank outside the placement). Differentiable; see ``sbp_torch.to_local``."""
+        from ._conversions import to_local
+
+        return to_local(self, grad_sbp=grad_sbp)
+
+    def full_tensor(self) -> torch.Tensor:
+        """The logical tensor as a plain tensor on every rank of the placement. Differentiable."""
+        from ._conversions import full_tensor
+
+        return full_tensor(self)
+
+    def __repr__(self) -> str:
+        # No collective here: repr must be safe to call on one rank only (printing, debuggers).
+        grad = ", requires_grad=True" if self.requires_grad else ""
+        return f"GlobalTensor({self._meta}{grad},\n  local={self._local!r})"
+
+    def __tensor_flatten__(self):
+        return ["_local"], self._meta
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return GlobalTensor(inner["_local"], meta)
