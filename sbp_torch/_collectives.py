@@ -7,6 +7,8 @@ timed-out collective raises ``CollectiveError`` saying what was being waited for
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -84,7 +86,7 @@ def _all_gather(x: torch.Tensor, dim: int, sizes: list[int], group: AxisGroup) -
         _run("all-gather", group, x, lambda: _all_gather_even(out, rows, group.process_group))
         parts = _from_group_order(group, list(out.chunk(group.size)))
     else:
-        per_row = rows[0].numel() if rows.dim() else 1
+        per_row = math.prod(rows.shape[1:])
         received = rows.new_empty(sum(sizes) * per_row)
         recv_counts = _to_group_order(group, [s * per_row for s in sizes])
         send = rows.reshape(-1).repeat(group.size)
@@ -144,6 +146,9 @@ def _all_to_all(
 
 def _keeping_dtype(impl):
     def wrapper(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        group = args[-1]
+        if group.size == 1:  # one part is the whole: nothing to exchange (and no process group to use)
+            return x.clone()
         return _off_wire(impl(_on_wire(x), *args, **kwargs), x.dtype)
 
     wrapper.__doc__ = impl.__doc__

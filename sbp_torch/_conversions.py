@@ -18,7 +18,7 @@ from ._boxing.run import run_plan
 from ._global_tensor import GlobalTensor
 from ._layout import GlobalMeta, normalize_sbp
 from ._placement import placement as Placement
-from ._process_groups import axis_group
+from ._process_groups import axis_group, ensure_groups
 from ._sbp import Broadcast, Partial, SbpType, Split
 
 BROADCAST = Broadcast()
@@ -177,21 +177,26 @@ def _assemble(local: torch.Tensor, meta: GlobalMeta, shapes: dict) -> torch.Tens
 def _from_local(x: torch.Tensor, p: Placement, sbp, check_meta: bool) -> GlobalTensor:
     if not isinstance(p, Placement):
         raise TypeError(f"to_global: placement must be an sbp_torch.placement, got {type(p).__name__}")
-    sbp = normalize_sbp(sbp, p, x.dim(), x.dtype)
     if not dist.is_initialized():
         raise RuntimeError("to_global needs torch.distributed to be initialised (e.g. launch with torchrun)")
     if x.device.type != p.type:
         x = x.to(p.device())
-    agreed = (p.type, p.shape, p.flat_ranks, repr(sbp), str(x.dtype), x.dim())
-    needs_shapes = any(isinstance(s, Split) for s in sbp)
-    if check_meta or needs_shapes:
+    raw = sbp if isinstance(sbp, (tuple, list)) else (sbp,)
+    ndim = x.dim()
+    shapes = {}
+    if check_meta or any(isinstance(s, Split) for s in raw):
+        # Everything that can differ between ranks is checked on the exchanged values, so all ranks agree
+        # on whether to raise. Ranks outside the placement pass any tensor of the right dtype.
+        agreed = (p.type, p.shape, p.flat_ranks, repr(tuple(raw)), str(x.dtype))
         by_rank = exchange("to_global", agreed, tuple(x.shape), check_meta)
         shapes = {p.coord_of(r): by_rank[r] for r in p.flat_ranks}
-        if not check_meta and len({len(s) for s in shapes.values()}) > 1:
-            raise ValueError(f"to_global: local parts have different numbers of dims: {sorted(shapes.values())}")
-        shape = _logical_shape(p, sbp, shapes)
-    else:
-        shape, shapes = tuple(x.shape), {}
+        ndims = {len(s) for s in shapes.values()}
+        if len(ndims) > 1:
+            raise ValueError(f"to_global: the local parts have different numbers of dims: {by_rank}")
+        ndim = ndims.pop()
+    sbp = normalize_sbp(sbp, p, ndim, x.dtype)
+    shape = _logical_shape(p, sbp, shapes) if shapes else tuple(x.shape)
+    ensure_groups(p)
     return _FromLocal.apply(x, GlobalMeta(shape, x.dtype, p, sbp), shapes)
 
 

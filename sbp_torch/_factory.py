@@ -10,6 +10,7 @@ from ._boxing.run import run_plan
 from ._global_tensor import GlobalTensor
 from ._layout import GlobalMeta, normalize_sbp
 from ._placement import placement as Placement
+from ._process_groups import ensure_groups
 from ._random import random_region
 from ._sbp import Broadcast, Partial
 
@@ -36,6 +37,7 @@ def _build(meta: GlobalMeta, region, requires_grad: bool) -> GlobalTensor:
     Partial axes are built as broadcast first and then made partial locally (the value on index 0 for
     sums, everywhere for max/min), which moves no data. ``region`` gets None on ranks outside the placement.
     """
+    ensure_groups(meta.placement)
     coord = meta.placement.coord_of(dist.get_rank())
     replicated_partials = tuple(BROADCAST if isinstance(s, Partial) else s for s in meta.sbp)
     as_broadcast = meta.with_sbp(replicated_partials)

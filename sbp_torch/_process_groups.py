@@ -1,12 +1,15 @@
 """Process groups for the axes of a placement, created once per set of ranks and cached.
 
-Groups are created lazily, on the member ranks only (``use_local_synchronization``), and all axis groups of a
-placement that hold this rank are created together in axis order. Because every rank runs the same program,
-ranks meet their placements in the same order, so creation follows one global order and cannot deadlock.
+``torch.distributed.new_group`` must be entered by every rank of the world in the same order (even with
+``use_local_synchronization`` the group's name depends on how many groups each rank made before). So the
+groups of a placement are created by ``ensure_groups``, which runs where every rank takes part: when a global
+tensor is first made on the placement (``to_global`` from local tensors and the creation functions). Since
+every rank runs the same program, every rank meets new rank sets in the same order and the caches stay equal.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -14,6 +17,7 @@ import torch.distributed as dist
 from ._placement import placement as Placement
 
 _groups_by_ranks: dict[tuple[int, ...], object] = {}
+_ready: set[Placement] = set()
 _axis_groups: dict[tuple[Placement, int], AxisGroup] = {}
 
 
@@ -22,8 +26,7 @@ class AxisGroup:
     """The ranks that a collective along one placement axis runs on, seen from this rank.
 
     ``ranks`` are in axis (coordinate) order and ``index`` is this rank's position among them. Collectives
-    work in coordinate order; ``group_rank_of`` maps a coordinate to the rank inside ``process_group``
-    (torch orders group ranks by global rank, which may differ from the placement's order).
+    work in coordinate order; torch orders group ranks by global rank, which ``coord_of_group_rank`` maps.
     """
 
     ranks: tuple[int, ...]
@@ -51,20 +54,30 @@ def _process_group(ranks: tuple[int, ...]):
         elif key == tuple(range(dist.get_world_size())):
             _groups_by_ranks[key] = dist.group.WORLD
         else:
-            _groups_by_ranks[key] = dist.new_group(list(key), use_local_synchronization=True)
+            _groups_by_ranks[key] = dist.new_group(list(key))  # every rank enters, members or not
     return _groups_by_ranks[key]
+
+
+def ensure_groups(p: Placement) -> None:
+    """Create the process groups of every axis line of ``p``; every rank of the world must call this."""
+    if p in _ready:
+        return
+    for axis in range(p.ndim):
+        for coord in itertools.product(*(range(n) for n in p.shape)):
+            if coord[axis] == 0:
+                _process_group(p.axis_ranks(axis, coord))
+    _ready.add(p)
 
 
 def axis_group(p: Placement, axis: int) -> AxisGroup:
     """The group along ``axis`` of ``p`` that holds this rank (which must be in ``p``)."""
-    key = (p, axis)
-    if key not in _axis_groups:
-        rank = dist.get_rank()
-        coord = p.coord_of(rank)
-        if coord is None:
-            raise RuntimeError(f"rank {rank} is not in {p} and takes part in none of its collectives")
-        for a in range(p.ndim):  # all axes at once, in axis order (see module docstring)
-            ranks = p.axis_ranks(a, coord)
-            _axis_groups[(p, a)] = AxisGroup(ranks, coord[a], _process_group(ranks))
-    return _axis_groups[key]
-
+    if p not in _ready:
+        raise RuntimeError(
+            f"the process groups of {p} were never created; global tensors must be made with to_global or the "
+            "sbp_torch creation functions, called on every rank"
+        )
+    if (p, axis) not in _axis_groups:
+        coord = p.coord_of(dist.get_rank())
+        ranks = p.axis_ranks(axis, coord)
+        _axis_groups[(p, axis)] = AxisGroup(ranks, coord[axis], _groups_by_ranks[tuple(sorted(ranks))])
+    return _axis_groups[(p, axis)]
