@@ -1,0 +1,82 @@
+"""Boxing plans as data: the collective each transition uses and the bytes it sends. No process group."""
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st_
+
+import sbp_torch as st
+from sbp_torch._boxing.plan import plan_boxing
+from sbp_torch._layout import GlobalMeta, balanced_sizes
+from sbp_torch.sbp import broadcast, partial_max, partial_min, partial_sum, split
+
+LINE = st.placement("cpu", [0, 1, 2])
+N = 7 * 5 * 4  # bytes of a (7, 5) float32 tensor
+
+
+def plan(src, dst, shape=(7, 5), placement=LINE):
+    src = src if isinstance(src, tuple) else (src,)
+    dst = dst if isinstance(dst, tuple) else (dst,)
+    return plan_boxing(GlobalMeta(shape, torch.float32, placement, src), dst)
+
+
+@pytest.mark.parametrize(
+    "src, dst, collectives, bytes_sent",
+    [
+        (split(0), broadcast, ["all-gather"], 2 * N),  # every part reaches the 2 other ranks
+        (partial_sum, broadcast, ["all-reduce"], 2 * 2 * N),  # ring: 2 (p-1)/p N per rank
+        (partial_sum, split(1), ["reduce-scatter"], 2 * N),  # each rank sends what others keep
+        (broadcast, split(0), ["local slice"], 0),
+        (broadcast, partial_sum, ["local"], 0),
+        (split(1), partial_max, ["local fill"], 0),
+        (partial_sum, partial_max, ["reduce-scatter", "local fill"], 2 * N),  # half an all-reduce
+        (partial_max, partial_max, [], 0),
+    ],
+)
+def test_one_dimensional_rows(src, dst, collectives, bytes_sent):
+    p = plan(src, dst)
+    assert [s.collective for s in p.steps] == collectives and p.bytes_sent == bytes_sent
+
+
+def test_all_to_all_sends_everything_but_the_diagonal():
+    rows, cols = balanced_sizes(7, 3), balanced_sizes(5, 3)
+    kept = sum(r * c for r, c in zip(rows, cols)) * 4
+    assert plan(split(0), split(1)).bytes_sent == N - kept
+
+
+def test_partial_op_change_of_a_scalar_goes_through_broadcast():
+    p = plan(partial_sum, partial_min, shape=())
+    assert [(s.src, s.dst) for s in p.steps] == [(partial_sum, broadcast), (broadcast, partial_min)]
+
+
+def test_nested_split_releases_the_inner_axis_first():
+    grid = st.placement("cpu", [[0, 1], [2, 3]])
+    p = plan((split(0), split(0)), (broadcast, split(0)), placement=grid)
+    assert [(s.axis, s.src, s.dst) for s in p.steps] == [
+        (1, split(0), broadcast), (0, split(0), broadcast), (1, broadcast, split(0))]
+    independent = plan((split(0), split(1)), (broadcast, split(1)), placement=grid)
+    assert [(s.axis, s.collective) for s in independent.steps] == [(0, "all-gather")]
+
+
+def test_mixed_partial_ops_are_reduced_innermost_first():
+    grid = st.placement("cpu", [[0, 1], [2, 3]])
+    p = plan((partial_sum, partial_max), (broadcast, broadcast), placement=grid)
+    assert [(s.axis, s.src) for s in p.steps] == [(1, partial_max), (0, partial_sum)]
+
+
+SBPS = [split(0), split(1), broadcast, partial_sum, partial_max, partial_min]
+
+
+@given(st_.sampled_from(list(itertools.product(SBPS, repeat=2))),
+       st_.sampled_from(list(itertools.product(SBPS, repeat=2))))
+def test_every_2d_plan_ends_at_the_target_and_is_deterministic(src, dst):
+    grid = st.placement("cpu", [[0, 1], [2, 3]])
+    p = plan(src, dst, placement=grid)
+    state = list(src)
+    for step in p.steps:
+        assert state[step.axis] == step.src
+        state[step.axis] = step.dst
+    assert tuple(state) == dst
+    assert plan_boxing.__wrapped__(p.meta, dst) == p  # recomputed, not cached: same steps
