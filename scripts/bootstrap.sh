@@ -13,6 +13,7 @@ PY
 then
   .venv/bin/pip install -q torch==2.13.0
 fi
+.venv/bin/pip install -q "setuptools>=70.1"  # builds editable wheels without the separate wheel package
 extras=""
 if [ "${1:-}" = "test" ]; then extras="[test]"; fi
 .venv/bin/pip install -q --no-build-isolation -e ".${extras}"
