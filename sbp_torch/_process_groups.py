@@ -5,10 +5,15 @@
 groups of a placement are created by ``ensure_groups``, which runs where every rank takes part: when a global
 tensor is first made on the placement (``to_global`` from local tensors and the creation functions). Since
 every rank runs the same program, every rank meets new rank sets in the same order and the caches stay equal.
+
+The caches hold references to torch process groups. They are dropped at interpreter exit (before torch's own
+teardown: a gloo group freed late aborts the process) and whenever the default group is replaced, so a
+program that destroys and re-creates its process group gets fresh groups.
 """
 
 from __future__ import annotations
 
+import atexit
 import itertools
 from dataclasses import dataclass
 
@@ -19,6 +24,25 @@ from ._placement import placement as Placement
 _groups_by_ranks: dict[tuple[int, ...], object] = {}
 _ready: set[Placement] = set()
 _axis_groups: dict[tuple[Placement, int], AxisGroup] = {}
+_cached_for_world: list[object] = [None]  # the default group the caches were filled under
+
+
+def forget_groups() -> None:
+    """Drop every cached process group (they are not destroyed here: torch owns them)."""
+    _groups_by_ranks.clear()
+    _ready.clear()
+    _axis_groups.clear()
+    _cached_for_world[0] = None
+
+
+def _drop_stale_groups() -> None:
+    world = dist.group.WORLD
+    if _cached_for_world[0] is not world:
+        forget_groups()
+        _cached_for_world[0] = world
+
+
+atexit.register(forget_groups)
 
 
 @dataclass(frozen=True)
@@ -60,6 +84,7 @@ def _process_group(ranks: tuple[int, ...]):
 
 def ensure_groups(p: Placement) -> None:
     """Create the process groups of every axis line of ``p``; every rank of the world must call this."""
+    _drop_stale_groups()
     if p in _ready:
         return
     for axis in range(p.ndim):
@@ -71,6 +96,7 @@ def ensure_groups(p: Placement) -> None:
 
 def axis_group(p: Placement, axis: int) -> AxisGroup:
     """The group along ``axis`` of ``p`` that holds this rank (which must be in ``p``)."""
+    _drop_stale_groups()
     if p not in _ready:
         raise RuntimeError(
             f"the process groups of {p} were never created; global tensors must be made with to_global or the "
