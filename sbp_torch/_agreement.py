@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from ._collectives import CollectiveError
+
 
 def exchange(what: str, agreed, local_shape: tuple[int, ...], check: bool) -> list[tuple[int, ...]]:
     """All-gather ``(agreed, local_shape)`` over the world; return every rank's shape.
@@ -20,7 +22,13 @@ def exchange(what: str, agreed, local_shape: tuple[int, ...], check: bool) -> li
         ValueError on every rank, naming the ranks that disagree with rank 0.
     """
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (agreed, tuple(local_shape)))
+    try:
+        dist.all_gather_object(gathered, (agreed, tuple(local_shape)))
+    except RuntimeError as err:  # a peer died, or never called the same function
+        raise CollectiveError(
+            f"{what}: the metadata exchange over all {len(gathered)} ranks failed (every rank must make the same "
+            f"call); this rank passed {agreed} with local shape {tuple(local_shape)}: {err}"
+        ) from err
     if check:
         first = gathered[0][0]
         differing = {r: got for r, (got, _) in enumerate(gathered) if got != first}
