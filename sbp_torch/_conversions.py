@@ -69,11 +69,16 @@ def gradient(grad: GlobalTensor, meta: GlobalMeta, saved_local: torch.Tensor | N
     return GlobalTensor(local, grad._meta.with_sbp(target))
 
 
+def _has_extreme(meta: GlobalMeta) -> bool:
+    """Whether ``meta`` has a P(max) or P(min) axis, whose gradient needs the forward values."""
+    return any(isinstance(s, Partial) and s.op != "sum" for s in meta.sbp)
+
+
 class _Box(torch.autograd.Function):
     @staticmethod
     def forward(ctx, src: GlobalTensor, dst_sbp):
         ctx.meta = src._meta
-        extreme = any(isinstance(s, Partial) and s.op != "sum" for s in src._meta.sbp)
+        extreme = _has_extreme(src._meta)
         ctx.saved_local = src._local if extreme else None
         return GlobalTensor(box_local(src._local, src._meta, dst_sbp), src._meta.with_sbp(dst_sbp))
 
@@ -85,14 +90,15 @@ class _Box(torch.autograd.Function):
 class _FromLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local: torch.Tensor, meta: GlobalMeta, shapes: dict):
-        ctx.meta = meta
-        extreme = any(isinstance(s, Partial) and s.op != "sum" for s in meta.sbp)
-        ctx.saved_local = local.detach() if extreme else None
+        ctx.meta, ctx.shapes = meta, shapes
+        extreme = _has_extreme(meta)
+        # The tie shares of P(max|min) axes come from this rank's own values, re-cut to the balanced region.
+        ctx.saved_local = _assemble(local.detach(), meta, shapes, broadcast=False) if extreme else None
         return GlobalTensor(_assemble(local.detach(), meta, shapes), meta)
 
     @staticmethod
     def backward(ctx, grad):
-        return gradient(grad, ctx.meta, ctx.saved_local)._local, None, None
+        return _to_parts(gradient(grad, ctx.meta, ctx.saved_local), ctx.shapes), None, None
 
 
 class _ToLocal(torch.autograd.Function):
@@ -110,7 +116,7 @@ class _FullTensor(torch.autograd.Function):
     @staticmethod
     def forward(ctx, g: GlobalTensor):
         ctx.meta = g._meta
-        extreme = any(isinstance(s, Partial) and s.op != "sum" for s in g._meta.sbp)
+        extreme = _has_extreme(g._meta)
         ctx.saved_local = g._local if extreme else None
         return box_local(g._local, g._meta, (BROADCAST,) * g._meta.placement.ndim)
 
@@ -118,6 +124,8 @@ class _FullTensor(torch.autograd.Function):
     def backward(ctx, grad):
         # Every rank is taken to hold the same gradient of the logical tensor (they ran the same program).
         replicated = ctx.meta.with_sbp((BROADCAST,) * ctx.meta.placement.ndim)
+        if isinstance(grad, GlobalTensor):  # the full tensor met global tensors as a 0-dim operand
+            grad = box_local(grad._local, grad._meta, (BROADCAST,) * grad._meta.placement.ndim)
         if ctx.meta.placement.coord_of(dist.get_rank()) is None:
             grad = grad.new_empty(0)
         return gradient(GlobalTensor(grad, replicated), ctx.meta, ctx.saved_local)
@@ -147,15 +155,16 @@ def _logical_shape(p: Placement, sbp: tuple, shapes: dict) -> tuple[int, ...]:
     return tuple(logical)
 
 
-def _assemble(local: torch.Tensor, meta: GlobalMeta, shapes: dict) -> torch.Tensor:
+def _assemble(local: torch.Tensor, meta: GlobalMeta, shapes: dict, broadcast: bool = True) -> torch.Tensor:
     """This rank's balanced part of the tensor whose parts are the ranks' ``local`` tensors (shapes by coord):
-    broadcast axes take index 0's value; unbalanced split parts are gathered and re-cut."""
+    broadcast axes take index 0's value (unless ``broadcast`` is False); unbalanced split parts are gathered
+    and re-cut."""
     p = meta.placement
     coord = p.coord_of(dist.get_rank())
     if coord is None:
         return local.new_empty(0)
     for axis, s in enumerate(meta.sbp):
-        if isinstance(s, Broadcast) and p.shape[axis] > 1:
+        if broadcast and isinstance(s, Broadcast) and p.shape[axis] > 1:
             local = coll.broadcast(local, axis_group(p, axis))
     if all(tuple(meta.local_shape(c)) == tuple(shape) for c, shape in shapes.items()):
         return local
@@ -172,6 +181,31 @@ def _assemble(local: torch.Tensor, meta: GlobalMeta, shapes: dict) -> torch.Tens
         extents = {c: e[: s.dim] + [sum(extents[k][s.dim] for k in line(c))] + e[s.dim + 1 :] for c, e in extents.items()}
         gathered[axis] = BROADCAST
     return box_local(local, meta.with_sbp(tuple(gathered)), meta.sbp)
+
+
+def _to_parts(g: GlobalTensor, shapes: dict) -> torch.Tensor:
+    """This rank's part of ``g`` cut like the (possibly unbalanced) parts ``shapes`` (coordinate -> shape) that
+    it was assembled from: the inverse of ``_assemble``, used for the gradient of the local parts."""
+    p = g._meta.placement
+    coord = p.coord_of(dist.get_rank())
+    if coord is None or all(tuple(g._meta.local_shape(c)) == tuple(shape) for c, shape in shapes.items()):
+        return g._local
+    released = tuple(BROADCAST if isinstance(s, Split) else s for s in g.sbp)
+    local = box_local(g._local, g._meta, released)
+    for d, length in enumerate(shapes[coord]):
+        axes = _split_axes(g.sbp, d)
+        if not axes:
+            continue
+        # Parts nest in axis order: the ones before this rank's along d are those that come first in
+        # lexicographic order of the split axes' coordinates (with the other coordinates at 0).
+        key = lambda c: tuple(c[a] for a in axes)  # noqa: E731
+        start = sum(
+            shape[d]
+            for c, shape in shapes.items()
+            if key(c) < key(coord) and all(c[a] == 0 for a in range(p.ndim) if a not in axes)
+        )
+        local = local.narrow(d, start, length)
+    return local
 
 
 def _from_local(x: torch.Tensor, p: Placement, sbp, check_meta: bool) -> GlobalTensor:
