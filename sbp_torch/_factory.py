@@ -7,6 +7,7 @@ import torch.distributed as dist
 
 from ._boxing.plan import plan_boxing
 from ._boxing.run import run_plan
+from ._conversions import gradient
 from ._global_tensor import GlobalTensor
 from ._layout import GlobalMeta, normalize_sbp
 from ._placement import placement as Placement
@@ -47,7 +48,12 @@ def _build(meta: GlobalMeta, region, requires_grad: bool) -> GlobalTensor:
     else:
         local = region(*as_broadcast.region(coord)).to(meta.placement.device())
         local = run_plan(local, plan_boxing(as_broadcast, meta.sbp))
-    return GlobalTensor(local, meta, requires_grad=requires_grad)
+    out = GlobalTensor(local, meta, requires_grad=requires_grad)
+    if requires_grad:
+        # Ops without an SBP rule hand back broadcast gradients: lay each gradient out as gradient_sbp(sbp)
+        # (split stays split) before it is accumulated into the leaf's .grad.
+        out.register_hook(lambda grad: gradient(grad, meta, local))
+    return out
 
 
 def _constant(value, size, placement, sbp, dtype, requires_grad):
