@@ -85,7 +85,7 @@ def _layout_kept(func, args, globals_: list[GlobalTensor]) -> GlobalMeta | None:
     meta = globals_[0]._meta
     if not rule(meta) or any(g.shape != globals_[0].shape for g in globals_):
         return None
-    scalars = [a for a in args[1:] if not isinstance(a, GlobalTensor)]
+    scalars = [a for a in args if not isinstance(a, GlobalTensor)]  # also a number before self: 1.5 - g
     has_partial = any(isinstance(s, Partial) for s in meta.sbp)
     if scalars and has_partial and (func not in _SCALING or len(globals_) > 1):
         return None
@@ -121,7 +121,7 @@ def _fallback(func, args, kwargs, globals_: list[GlobalTensor]):
     writes into get the result boxed back into their own layout."""
     if func not in _warned:
         _warned.add(func)
-        warnings.warn(f"sbp_torch: {func} has no SBP rule yet; it runs on broadcast (gathered) inputs", stacklevel=3)
+        warnings.warn(f"sbp_torch: no SBP rule of {func} applies to these inputs; it runs on broadcast (gathered) inputs", stacklevel=3)
     placement = globals_[0].placement
     replicated = (BROADCAST,) * placement.ndim
     member = placement.coord_of(torch.distributed.get_rank()) is not None

@@ -1,0 +1,374 @@
+"""Torch ops on global tensors against the same ops on plain tensors in one process.
+
+Ops with a layout rule run part by part and keep their inputs' layout; every other op falls back to running
+on broadcast (gathered) inputs, with a one-time warning. Either way the logical value and the gradient must be
+what plain torch gives on the logical tensors, which the driver computes from the same local parts with
+``reference.assemble``.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st_
+
+import sbp_torch as st
+from reference import assemble, expected_region, random_parts
+from sbp_torch import _dispatch
+from sbp_torch._conversions import gradient_sbp
+from sbp_torch._layout import GlobalMeta, normalize_sbp
+from sbp_torch.sbp import broadcast, partial_max, partial_min, partial_sum, split
+from world import run_on_world
+
+SIMPLE = [broadcast, partial_sum, partial_max, partial_min]
+
+
+def _world(ranks) -> int:
+    """1-D placements run on a world of 3 (so [2, 0] and [1] leave ranks outside); meshes on 4."""
+    return 4 if isinstance(ranks[0], list) else 3
+
+
+def _inputs(ranks, specs, seed):
+    """For each (shape, sbp) in ``specs``: (meta, random local parts by coordinate) of a float64 tensor."""
+    p = st.placement("cpu", ranks)
+    out = []
+    for i, (shape, sbp) in enumerate(specs):
+        meta = GlobalMeta(tuple(shape), torch.float64, p, normalize_sbp(sbp, p, len(shape), torch.float64))
+        out.append((meta, random_parts(meta, torch.Generator().manual_seed(seed + i))))
+    return p, out
+
+
+def _weight(shape, seed):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed + 100), dtype=torch.float64)
+
+
+def _global_inputs(ranks, specs, seed):
+    """Every rank: its parts of the inputs, as leaves, and the global tensors made from them."""
+    p, inputs = _inputs(ranks, specs, seed)
+    coord = p.coord_of(dist.get_rank())
+    leaves = [
+        (parts[coord].clone() if coord is not None else torch.empty(0, dtype=torch.float64)).requires_grad_()
+        for _, parts in inputs
+    ]
+    return p, leaves, [x.to_global(p, meta.sbp) for x, (meta, _) in zip(leaves, inputs)]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Fallback ops: value and gradient
+
+
+def op_matmul(a, b):
+    return a @ b
+
+
+def op_sum(a):
+    return a.sum()
+
+
+def op_sum_dim(a):
+    return a.sum(dim=0)
+
+
+def op_softmax(a):
+    return torch.softmax(a, dim=-1)
+
+
+def op_mean_of_exp(a):
+    return a.exp().mean(dim=-1, keepdim=True)
+
+
+OPS = {f.__name__: f for f in (op_matmul, op_sum, op_sum_dim, op_softmax, op_mean_of_exp)}
+
+
+def op_body(ranks, name, specs, seed):
+    """Every rank: out = op(*globals); returns (out's sbp, full_tensor(out), gradients of this rank's parts of
+    sum(full_tensor(out) * W))."""
+    p, leaves, globals_ = _global_inputs(ranks, specs, seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = OPS[name](*globals_)
+        full = out.full_tensor()
+        if p.coord_of(dist.get_rank()) is not None:
+            (full * _weight(full.shape, seed)).sum().backward()
+    return out.sbp, full.detach(), [x.grad for x in leaves]
+
+
+def check_op(ranks, name, specs, seed=0):
+    results = run_on_world(_world(ranks), op_body, ranks, name, specs, seed)
+    p, inputs = _inputs(ranks, specs, seed)
+    leaves = [{c: t.clone().requires_grad_() for c, t in parts.items()} for _, parts in inputs]
+    logical = [assemble(parts, p.shape, meta.sbp) for parts, (meta, _) in zip(leaves, inputs)]
+    want = OPS[name](*logical)
+    (want * _weight(want.shape, seed)).sum().backward()
+    for rank, (out_sbp, full, grads) in enumerate(results):
+        coord = p.coord_of(rank)
+        assert len(out_sbp) == p.ndim
+        if coord is None:
+            assert full.numel() == 0
+            continue
+        torch.testing.assert_close(full, want.detach(), msg=f"{name} value on rank {rank}")
+        for i, (grad, parts) in enumerate(zip(grads, leaves)):
+            torch.testing.assert_close(grad, parts[coord].grad, msg=f"{name} gradient of input {i} on rank {rank}")
+
+
+PLACEMENTS = [[0, 1, 2], [2, 0], [1], [[0, 1], [2, 3]], [[3, 1], [0, 2]]]
+
+
+@st_.composite
+def op_cases(draw):
+    ranks = draw(st_.sampled_from(PLACEMENTS))
+    axes = 2 if isinstance(ranks[0], list) else 1
+    name = draw(st_.sampled_from(sorted(OPS)))
+    size = st_.integers(1, 5)
+    if name == "op_matmul":
+        m, k, n = draw(size), draw(size), draw(size)
+        shapes = [(m, k), (k, n)]
+    else:
+        shapes = [tuple(draw(st_.lists(size, min_size=2, max_size=3)))]
+
+    def layout(ndim):
+        return tuple(draw(st_.sampled_from([split(d) for d in range(ndim)] + SIMPLE)) for _ in range(axes))
+
+    specs = [(shape, layout(len(shape))) for shape in shapes]
+    return ranks, name, specs, draw(st_.integers(0, 2**16))
+
+
+@settings(max_examples=30)
+@given(op_cases())
+def test_fallback_ops_value_and_gradient(case):
+    """matmul, sum, softmax, ... on random layouts (partial ones too, ranks outside the placement too) give
+    plain torch's logical value, and the gradients of the local parts match the single-process reference."""
+    check_op(*case)
+
+
+@pytest.mark.parametrize(
+    "ranks,name,specs",
+    [
+        ([0, 1, 2], "op_matmul", [((5, 4), split(0)), ((4, 3), split(1))]),
+        ([0, 1, 2], "op_matmul", [((2, 5), split(1)), ((5, 3), partial_sum)]),
+        ([[0, 1], [2, 3]], "op_matmul", [((3, 4), (split(0), split(1))), ((4, 2), (partial_max, broadcast))]),
+        ([0, 1, 2], "op_sum", [((7, 2), split(0))]),
+        ([[0, 1], [2, 3]], "op_sum_dim", [((3, 5), (partial_sum, split(1)))]),
+        ([2, 0], "op_softmax", [((4, 5), split(1))]),
+        ([0, 1, 2], "op_softmax", [((3, 4), partial_min)]),
+    ],
+    ids=str,
+)
+def test_fallback_ops_fixed_cases(ranks, name, specs):
+    """Fixed cases of the above, easy to reproduce."""
+    check_op(ranks, name, specs, seed=5)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Layout-keeping rules
+
+
+def rules_body():
+    """Every rank: ops that have a layout rule; returns (sbp, full value) per case."""
+    p = st.placement("cpu", [0, 1, 2])
+    rank = dist.get_rank()
+    a = torch.arange(14.0).reshape(7, 2)
+    b = torch.arange(14.0).reshape(7, 2) * 0.5 - 2
+    mine = torch.arange(6.0).reshape(2, 3) + rank  # a different part on every rank
+    s_a, s_b = st.tensor(a.tolist(), placement=p, sbp=split(0)), st.tensor(b.tolist(), placement=p, sbp=split(0))
+    part = mine.to_global(p, partial_sum)
+    out = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cases = {
+            "S+S": s_a + s_b,
+            "S-S": s_a - s_b,
+            "S*S": s_a * s_b,
+            "S+S alpha": torch.add(s_a, s_b, alpha=3),
+            "S*2": s_a * 2,
+            "-P": -part,
+            "P*2.5": part * 2.5,
+            "P/4": part / 4,
+            "P*0dim": part * torch.tensor(3.0),
+            "P+P": part + part,
+            "P-2P": part - part * 2,
+            "P+1": part + 1,
+            "1-P": 1 - part,
+            "P*P": part * part,
+            "P+S": part + part.to_global(sbp=split(1)),
+            "S+P": part.to_global(sbp=split(1)) + part,
+        }
+        for name, g in cases.items():
+            out[name] = (g.sbp, g.full_tensor())
+    return out
+
+
+def test_layout_keeping_rules():
+    """Element-wise ops on equal layouts keep them (split + split is split, no collective needed); scaling a
+    partial sum (neg, mul/div by a number or 0-dim tensor) and adding partial sums stay partial sums; ops that
+    do not commute with the partial sum (adding a number, products of partials) still give the right value."""
+    results = run_on_world(3, rules_body)
+    a = torch.arange(14.0).reshape(7, 2)
+    b = a * 0.5 - 2
+    x = sum(torch.arange(6.0).reshape(2, 3) + r for r in range(3))  # the partial sum's logical value
+    want = {
+        "S+S": (a + b, (split(0),)),
+        "S-S": (a - b, (split(0),)),
+        "S*S": (a * b, (split(0),)),
+        "S+S alpha": (a + 3 * b, (split(0),)),
+        "S*2": (a * 2, (split(0),)),
+        "-P": (-x, (partial_sum,)),
+        "P*2.5": (x * 2.5, (partial_sum,)),
+        "P/4": (x / 4, (partial_sum,)),
+        "P*0dim": (x * 3, (partial_sum,)),
+        "P+P": (x + x, (partial_sum,)),
+        "P-2P": (-x, None),
+        "P+1": (x + 1, None),
+        "1-P": (1 - x, None),
+        "P*P": (x * x, None),
+        "P+S": (x + x, None),
+        "S+P": (x + x, None),
+    }
+    for rank, got in enumerate(results):
+        for name, (value, sbp) in want.items():
+            got_sbp, full = got[name]
+            if sbp is not None:
+                assert got_sbp == sbp, f"{name}: {got_sbp}"
+            torch.testing.assert_close(full, value, msg=f"{name} on rank {rank}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# In-place ops
+
+
+def inplace_body():
+    """Every rank: in-place ops on global tensors of several layouts; returns (same object, sbp, local, full)."""
+    p = st.placement("cpu", [0, 1, 2])
+    rank = dist.get_rank()
+    a = torch.arange(15.0).reshape(5, 3) - 7
+    h = st.tensor((a * 0.25).tolist(), placement=p, sbp=broadcast)
+    out = {}
+
+    def run(name, sbp, op):
+        if isinstance(sbp, type(partial_sum)):  # rank r holds a + r
+            g = (a + rank).to_global(p, sbp)
+        else:
+            g = st.tensor(a.tolist(), placement=p, sbp=sbp)
+        result = op(g, h)
+        out[name] = (result is g, g.sbp, g.to_local().clone(), g.full_tensor())
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run("S0.add_(B)", split(0), lambda g, h: g.add_(h))
+        run("S1.sub_(P)", split(1), lambda g, h: g.sub_(h.to_global(sbp=partial_sum)))
+        run("B.mul_(S0)", broadcast, lambda g, h: g.mul_(h.to_global(sbp=split(0))))
+        run("P.mul_(2)", partial_sum, lambda g, h: g.mul_(2))
+        run("P.mul_(B)", partial_sum, lambda g, h: g.mul_(h))  # fallback: product of a partial
+        run("P.add_(1)", partial_sum, lambda g, h: g.add_(1))  # fallback: a number added to a partial
+        run("S1.clamp_", split(1), lambda g, h: g.clamp_(-3, 4))  # fallback: no rule for clamp_
+        run("Pmax.clamp_", partial_max, lambda g, h: g.clamp_(min=-2))
+        run("S0.exp_", split(0), lambda g, h: g.div_(10).exp_())
+    return out
+
+
+def test_inplace_ops_keep_self_layout():
+    """``add_``/``sub_``/``mul_`` (with a rule, other operand boxed to self's layout) and fallback in-place ops
+    (``mul_`` of a partial by a global tensor, ``clamp_``, ``exp_``) return self, keep self's SBP and local
+    region, and give the right value."""
+    results = run_on_world(3, inplace_body)
+    p = st.placement("cpu", [0, 1, 2])
+    a = torch.arange(15.0).reshape(5, 3) - 7
+    x_sum, x_max = sum(a + r for r in range(3)), a + 2
+    want = {
+        "S0.add_(B)": (a + a * 0.25, split(0)),
+        "S1.sub_(P)": (a - a * 0.25, split(1)),
+        "B.mul_(S0)": (a * a * 0.25, broadcast),
+        "P.mul_(2)": (x_sum * 2, partial_sum),
+        "P.mul_(B)": (x_sum * a * 0.25, partial_sum),
+        "P.add_(1)": (x_sum + 1, partial_sum),
+        "S1.clamp_": (a.clamp(-3, 4), split(1)),
+        "Pmax.clamp_": (x_max.clamp(min=-2), partial_max),
+        "S0.exp_": ((a / 10).exp(), split(0)),
+    }
+    for rank, got in enumerate(results):
+        for name, (value, sbp) in want.items():
+            same, got_sbp, local, full = got[name]
+            assert same, f"{name} did not return self"
+            assert got_sbp == (sbp,), f"{name}: self's sbp changed to {got_sbp}"
+            torch.testing.assert_close(full, value, msg=f"{name} on rank {rank}")
+            meta = GlobalMeta(tuple(value.shape), value.dtype, p, (sbp,))
+            if isinstance(sbp, type(partial_sum)):
+                parts = {(r,): results[r][name][2] for r in range(3)}
+                torch.testing.assert_close(assemble(parts, p.shape, (sbp,)), value, msg=name)
+            else:
+                torch.testing.assert_close(local, expected_region(value, meta, (rank,)), msg=name)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Gradient accumulation
+
+
+def accumulation_body(ranks, sbp):
+    """Every rank: a global leaf used several times in one loss (rule ops, fallback ops, full_tensor), then a
+    second backward that accumulates."""
+    p = st.placement("cpu", ranks)
+    torch.manual_seed(11)
+    g = st.randn(4, 3, placement=p, sbp=sbp, dtype=torch.float64, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loss = lambda: (g * 2).sum() + (g * g).sum() + g.full_tensor().sum()  # noqa: E731
+        loss().backward()
+        first = (g.grad.sbp, g.grad.full_tensor().clone())
+        loss().backward()
+        second = (g.grad.sbp, g.grad.full_tensor())
+    return g.full_tensor().detach(), first, second
+
+
+@pytest.mark.parametrize(
+    "ranks,sbp",
+    [
+        ([0, 1, 2], split(0)),
+        ([0, 1, 2], broadcast),
+        ([0, 1, 2], partial_sum),
+        ([[0, 1], [2, 3]], (split(1), broadcast)),
+    ],
+    ids=str,
+)
+def test_gradient_accumulation_keeps_layout(ranks, sbp):
+    """A leaf used three times gets the sum of the three gradients (2 + 2g + 1), laid out as its gradient
+    layout; a second backward adds the same again without changing the layout. (The loss adds a plain 0-dim
+    tensor from ``full_tensor`` to global ones, so that gradient reaches ``full_tensor`` as a global tensor.)"""
+    p = st.placement("cpu", ranks)
+    results = run_on_world(_world(ranks), accumulation_body, ranks, sbp)
+    want_sbp = gradient_sbp(normalize_sbp(sbp, p, 2, torch.float64))
+    for value, (sbp1, grad1), (sbp2, grad2) in results:
+        assert sbp1 == want_sbp and sbp2 == want_sbp
+        torch.testing.assert_close(grad1, 2 + 2 * value + 1)
+        torch.testing.assert_close(grad2, 2 * (2 + 2 * value + 1))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Fallback warning
+
+
+def warning_body():
+    """Every rank: forget earlier warnings for cumsum, then run it twice and a rule op once, recording."""
+    p = st.placement("cpu", [0, 1])
+    g = torch.arange(6.0).reshape(3, 2).to_global(p, split(0))
+    _dispatch._warned.discard(torch.ops.aten.cumsum.default)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = g.cumsum(0)
+        second = g.cumsum(0)
+        g + g  # has a rule: no warning
+    return [str(w.message) for w in caught], first.full_tensor(), second.full_tensor()
+
+
+def test_fallback_warns_once_per_op():
+    """An op without a rule warns once (naming the op), not on every call; ops with a rule do not warn. The
+    fallback's value is still right."""
+    for messages, first, second in run_on_world(2, warning_body):
+        assert len(messages) == 1, messages
+        assert "aten.cumsum.default" in messages[0] and "no SBP rule" in messages[0]
+        want = torch.arange(6.0).reshape(3, 2).repeat(2, 1).cumsum(0)
+        torch.testing.assert_close(first, want)
+        torch.testing.assert_close(second, want)
