@@ -1,61 +1,51 @@
-"""Dispatch of aten ops on global tensors: validate inputs, pick output layouts, box, run locally, wrap.
+"""Dispatch of aten ops on global tensors: check → decide → box → run locally → wrap.
 
-This is the foundation's small rule set: ops that act on each local part independently keep their inputs'
-layout (``LAYOUT_RULES``); every other op takes the always-valid route of boxing its inputs to broadcast and
-producing broadcast outputs, with a one-time warning naming the op. The full signature table replaces the
-fallback op by op.
+1. ``_check_operands``: one placement for every global input; plain tensors only as 0-dim scalars.
+2. ``_select.decide``: the cached or new signature decision (layout of each input, metadata of each output).
+3. Each global input is boxed to its decided layout (``box_local``, no-op when it already has it).
+4. The op (or the signature's kernel) runs on the local parts; ranks outside the placement skip it.
+5. Outputs are wrapped with the decided metadata; in-place and ``out=`` ops return the tensors they wrote.
+
+Ops with no rule, no fitting signature, or no meta kernel take the always-valid route: inputs boxed to
+broadcast, op run on full values, broadcast outputs (``_fallback``), with a one-time warning naming the op,
+or an error in strict mode.
 """
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import torch
+import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ._conversions import box_local
 from ._global_tensor import GlobalTensor
 from ._layout import GlobalMeta
-from ._sbp import Broadcast, Partial
+from ._sbp import Broadcast
+from ._select import Decision, NoSignature, decide, global_inputs, written_globals
+from ._signatures.core import KernelContext
 
 aten = torch.ops.aten
 BROADCAST = Broadcast()
 
-
-def _no_partial_of(*ops):
-    """Layout check: the op commutes with every split and with partials whose reduction is not in ``ops``."""
-    return lambda meta: not any(isinstance(s, Partial) and s.op in ops for s in meta.sbp)
-
-
-_any_layout = lambda meta: True  # noqa: E731
-_linear = _no_partial_of("max", "min")  # scaling/adding commutes with sums, not with max/min
-_keeps_partial_values = _no_partial_of("sum", "max", "min")
-
-# op -> which input layouts the op can run on part by part, keeping the layout. Inputs must all be global
-# with identical metadata (in-place ops box the others to self's layout); other operands must be Python
-# numbers, and then only layouts without partials qualify unless the op is a pure scaling.
-LAYOUT_RULES = {
-    aten.detach.default: _any_layout,
-    aten.alias.default: _any_layout,
-    aten.clone.default: _any_layout,
-    aten.zeros_like.default: _any_layout,
-    aten.empty_like.default: _any_layout,
-    aten.neg.default: _linear,
-    aten.add.Tensor: _linear,
-    aten.sub.Tensor: _linear,
-    aten.add_.Tensor: _linear,
-    aten.sub_.Tensor: _linear,
-    aten.mul.Tensor: _linear,
-    aten.mul_.Tensor: _linear,
-    aten.div.Tensor: _linear,
-    aten.div_.Tensor: _linear,
-    aten.ones_like.default: _keeps_partial_values,
-    aten.full_like.default: _keeps_partial_values,
+# Ops whose result is a Python value (or a property of the full value): they gather quietly.
+VALUE_OPS = {
+    aten._local_scalar_dense.default,
+    aten.equal.default,
+    aten.is_nonzero.default,
+    aten.is_same_size.default,
 }
-_SCALING = {aten.neg.default, aten.mul.Tensor, aten.mul_.Tensor, aten.div.Tensor, aten.div_.Tensor}
-_SCALE_BY_OTHER_ONLY = {aten.div.Tensor, aten.div_.Tensor}  # x / g is not linear in g
 
+_strict = [os.environ.get("SBP_TORCH_STRICT", "") not in ("", "0")]
 _warned: set = set()
+
+
+def set_strict(strict: bool) -> None:
+    """In strict mode an op that would take the broadcast fallback raises instead (for developers finding
+    ops that need a rule). Also set by the environment variable ``SBP_TORCH_STRICT=1``."""
+    _strict[0] = bool(strict)
 
 
 def _check_operands(func, flat: list) -> list[GlobalTensor]:
@@ -73,58 +63,84 @@ def _check_operands(func, flat: list) -> list[GlobalTensor]:
     return globals_
 
 
-def _is_inplace(func) -> bool:
-    return func._schema.name.endswith("_")
+def _is_member(placement) -> bool:
+    return placement.coord_of(dist.get_rank()) is not None
 
 
-def _layout_kept(func, args, globals_: list[GlobalTensor]) -> GlobalMeta | None:
-    """The layout the op keeps, or None when the rule does not apply."""
-    rule = LAYOUT_RULES.get(func)
-    if rule is None:
-        return None
-    meta = globals_[0]._meta
-    if not rule(meta) or any(g.shape != globals_[0].shape for g in globals_):
-        return None
-    scalars = [a for a in args if not isinstance(a, GlobalTensor)]  # also a number before self: 1.5 - g
-    has_partial = any(isinstance(s, Partial) for s in meta.sbp)
-    if scalars and has_partial and (func not in _SCALING or len(globals_) > 1):
-        return None
-    if func in _SCALE_BY_OTHER_ONLY and args[0] is not globals_[0]:
-        return None
-    if len(globals_) > 1 and has_partial and func in _SCALING:
-        return None  # a product of two partial sums is not the partial sum of products
-    return meta
+def _run_decision(func, args, kwargs, decision: Decision, placement):
+    inputs = global_inputs(func, args, kwargs)
+    member = _is_member(placement)
+    leaves, spec = tree_flatten((args, kwargs))
+    targets = iter(decision.input_sbps)
+    local_leaves = []
+    for leaf in leaves:
+        if isinstance(leaf, GlobalTensor):
+            is_input = any(leaf is g for g in inputs)  # else an out= tensor, written in its own layout
+            leaf = box_local(leaf._local, leaf._meta, next(targets)) if is_input else leaf._local
+        local_leaves.append(leaf)
+    local_args, local_kwargs = tree_unflatten(local_leaves, spec)
+    written = written_globals(func, args, kwargs)
+    if not member:
+        if written:
+            return written[0] if len(written) == 1 else tuple(written)
+        return _wrap_empty(decision, placement)
+    if decision.kernel is None:
+        out = func(*local_args, **local_kwargs)
+    else:
+        context = KernelContext(
+            placement,
+            [g._meta.with_sbp(t) for g, t in zip(inputs, decision.input_sbps)],
+            list(decision.outputs),
+            decision.kernel_axes,
+        )
+        out = decision.rule.kernels[decision.kernel](func, context, local_args, local_kwargs)
+    return _wrap(func, out, decision, written, local_args, local_kwargs, args, kwargs)
 
 
-def _run_locally(func, args, kwargs, meta: GlobalMeta):
-    def local(a):
-        return box_local(a._local, a._meta, meta.sbp) if isinstance(a, GlobalTensor) else a
+def _wrap(func, out, decision: Decision, written, local_args, local_kwargs, args, kwargs):
+    leaves, spec = tree_flatten(out)
+    written_by_local = {}
+    for g in written:
+        written_by_local[id(g._local)] = g
+    coord = decision.outputs[0].placement.coord_of(dist.get_rank()) if decision.outputs else None
+    metas = iter(decision.outputs)
+    wrapped = []
+    for leaf in leaves:
+        if not isinstance(leaf, torch.Tensor):
+            wrapped.append(leaf)
+            continue
+        meta = next(metas)
+        if id(leaf) in written_by_local:
+            wrapped.append(written_by_local[id(leaf)])
+            continue
+        expected = meta.local_shape(coord)
+        if tuple(leaf.shape) != tuple(expected):
+            raise RuntimeError(
+                f"sbp_torch internal error: {func} with signature {decision.signatures} gave a local part of shape "
+                f"{tuple(leaf.shape)} where the layout {meta} needs {tuple(expected)}"
+            )
+        wrapped.append(GlobalTensor(leaf, meta))
+    return tree_unflatten(wrapped, spec)
 
-    out = func(*tree_map(local, args), **tree_map(local, kwargs))
-    if _is_inplace(func):
-        return args[0]
-    return GlobalTensor(out, GlobalMeta(meta.shape, out.dtype, meta.placement, meta.sbp))
+
+def _wrap_empty(decision: Decision, placement):
+    device = placement.device()
+    outs = [GlobalTensor(torch.empty(0, dtype=m.dtype, device=device), m) for m in decision.outputs]
+    return outs[0] if len(outs) == 1 else tuple(outs)
 
 
-def _written_globals(func, args, kwargs) -> list[GlobalTensor]:
-    """The global tensors the op writes into (self of in-place ops, ``out=`` tensors)."""
-    written = []
-    for i, arg in enumerate(func._schema.arguments):
-        value = args[i] if i < len(args) else kwargs.get(arg.name)
-        if isinstance(value, GlobalTensor) and arg.alias_info is not None and arg.alias_info.is_write:
-            written.append(value)
-    return written
-
-
-def _fallback(func, args, kwargs, globals_: list[GlobalTensor]):
+def _fallback(func, args, kwargs, globals_: list[GlobalTensor], why: str):
     """Box every input to broadcast, run the op on full values, return broadcast outputs; tensors the op
     writes into get the result boxed back into their own layout."""
-    if func not in _warned:
-        _warned.add(func)
-        warnings.warn(f"sbp_torch: no SBP rule of {func} applies to these inputs; it runs on broadcast (gathered) inputs", stacklevel=3)
+    if func not in VALUE_OPS:
+        if _strict[0]:
+            raise NotImplementedError(f"sbp_torch strict mode: {func} would run on gathered inputs ({why})")
+        if func not in _warned:
+            _warned.add(func)
+            warnings.warn(f"sbp_torch: {func} runs on broadcast (gathered) inputs: {why}", stacklevel=4)
     placement = globals_[0].placement
     replicated = (BROADCAST,) * placement.ndim
-    member = placement.coord_of(torch.distributed.get_rank()) is not None
+    member = _is_member(placement)
     full_values: dict[int, torch.Tensor] = {}
 
     def full(a):
@@ -138,7 +154,7 @@ def _fallback(func, args, kwargs, globals_: list[GlobalTensor]):
         return full_values[id(a)]
 
     out = func(*tree_map(full, args), **tree_map(full, kwargs))
-    written = _written_globals(func, args, kwargs)
+    written = written_globals(func, args, kwargs)
     for g in written:
         if member and full_values[id(g)] is not g._local:
             g._local.copy_(box_local(full_values[id(g)], g._meta.with_sbp(replicated), g.sbp))
@@ -157,7 +173,10 @@ def _fallback(func, args, kwargs, globals_: list[GlobalTensor]):
 def dispatch(func, args, kwargs):
     flat, _ = tree_flatten((args, kwargs))
     globals_ = _check_operands(func, flat)
-    meta = _layout_kept(func, args, globals_)
-    if meta is not None:
-        return _run_locally(func, args, kwargs, meta)
-    return _fallback(func, args, kwargs, globals_)
+    if func in VALUE_OPS:
+        return _fallback(func, args, kwargs, globals_, "its result is a plain value")
+    try:
+        decision = decide(func, args, kwargs)
+    except NoSignature as why:
+        return _fallback(func, args, kwargs, globals_, str(why))
+    return _run_decision(func, args, kwargs, decision, globals_[0].placement)

@@ -1,0 +1,220 @@
+"""Choosing an op's N-D signature: the candidate that moves the fewest bytes, decided once per call shape.
+
+For a call, ``decide`` builds every N-D signature (the product over placement axes of the rule's 1-D
+signatures), drops the invalid ones, costs each as the bytes its input boxing would move (the boxing
+planner's figure, summed over ranks), and keeps the cheapest; among equal costs, the one that changes
+fewest inputs' layouts, then the first in the rule's order. Nothing here depends on hashing order, object
+ids or timing, so every rank, running the same program, decides the same.
+
+The decision is cached on the op, the inputs' global metadata and the static arguments (numbers passed as
+``Scalar`` count by type only, so a changing learning rate does not miss the cache).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ._boxing.plan import plan_boxing
+from ._global_tensor import GlobalTensor
+from ._layout import GlobalMeta
+from ._sbp import Partial, Split, check_partial_dtype
+from ._signatures import rule_for
+from ._signatures.core import OpCall, Rule, Signature, TensorInfo
+
+
+@dataclass(frozen=True)
+class Decision:
+    """How to run one call: the layout each global input is boxed to, and what the outputs are.
+
+    ``outputs`` holds a GlobalMeta per tensor output (flattened order) and ``kernel`` the rule's kernel, if
+    the chosen signature names one; ``cost`` is the bytes the input boxing moves, summed over ranks.
+    """
+
+    input_sbps: tuple[tuple, ...]
+    outputs: tuple[GlobalMeta, ...]
+    signatures: tuple[Signature, ...]  # the 1-D signature on each placement axis
+    rule: Rule
+    cost: int
+
+    @property
+    def kernel(self) -> str | None:
+        return next((s.kernel for s in self.signatures if s.kernel), None)
+
+    @property
+    def kernel_axes(self) -> tuple[int, ...]:
+        return tuple(a for a, s in enumerate(self.signatures) if s.kernel)
+
+
+class NoSignature(Exception):
+    """No rule, no valid signature, or the op cannot run on meta tensors: use the broadcast fallback."""
+
+
+_decisions: dict = {}
+
+
+def written_arguments(func) -> list[tuple[int, str, bool]]:
+    """(position, name, is_out) of the schema arguments the op writes into."""
+    return [
+        (i, a.name, a.is_out)
+        for i, a in enumerate(func._schema.arguments)
+        if a.alias_info is not None and a.alias_info.is_write
+    ]
+
+
+def _bound(func, args, kwargs) -> dict:
+    bound = {}
+    for i, a in enumerate(func._schema.arguments):
+        if i < len(args):
+            bound[a.name] = args[i]
+        elif a.name in kwargs:
+            bound[a.name] = kwargs[a.name]
+    return bound
+
+
+def _key_of(value, is_scalar: bool):
+    if isinstance(value, GlobalTensor):
+        return value._meta
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.dtype, value.device.type)
+    if is_scalar and isinstance(value, (bool, int, float, complex)):
+        return type(value)
+    return value
+
+
+def cache_key(func, args, kwargs):
+    """A hashable key for the decision, or None when some static argument is unhashable."""
+    parts = [func]
+    for name, value in _bound(func, args, kwargs).items():
+        is_scalar = str(_schema_type(func, name)) == "number"
+        leaves, spec = tree_flatten(value)
+        parts.append((name, spec, tuple(_key_of(v, is_scalar) for v in leaves)))
+    key = tuple(parts)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _schema_type(func, name):
+    for a in func._schema.arguments:
+        if a.name == name:
+            return a.type
+    return None
+
+
+def global_inputs(func, args, kwargs) -> list[GlobalTensor]:
+    """The global tensors the op reads, in ``tree_flatten((args, kwargs))`` order (``out=`` tensors
+    excluded). A tensor passed twice appears twice: each occurrence gets its own layout."""
+    outs = out_arguments(func, args, kwargs)
+    leaves, _ = tree_flatten((args, kwargs))
+    return [v for v in leaves if isinstance(v, GlobalTensor) and not any(v is o for o in outs)]
+
+
+def out_arguments(func, args, kwargs) -> list[GlobalTensor]:
+    bound = _bound(func, args, kwargs)
+    leaves, _ = tree_flatten([bound.get(name) for _, name, is_out in written_arguments(func) if is_out])
+    return [v for v in leaves if isinstance(v, GlobalTensor)]
+
+
+def _on_meta(value):
+    if isinstance(value, GlobalTensor):
+        return torch.empty(value.shape, dtype=value.dtype, device="meta")
+    if isinstance(value, torch.Tensor):
+        return value.to("meta")
+    return value
+
+
+def _meta_outputs(func, args, kwargs) -> list[TensorInfo]:
+    try:
+        out = func(*tree_map(_on_meta, args), **tree_map(_on_meta, kwargs))
+    except Exception as err:  # no meta kernel, data-dependent shape, ...: the fallback handles it
+        raise NoSignature(f"cannot infer output shapes: {err}") from err
+    leaves, _ = tree_flatten(out)
+    return [TensorInfo(tuple(o.shape), o.dtype) for o in leaves if isinstance(o, torch.Tensor)]
+
+
+def _valid_1d(sig: Signature, inputs: list[GlobalTensor], outputs: list[TensorInfo]) -> bool:
+    if len(sig.inputs) != len(inputs) or len(sig.outputs) != len(outputs):
+        return False
+    for s, t in zip(sig.inputs + sig.outputs, [(g.dim(), g.dtype) for g in inputs] + [(o.ndim, o.dtype) for o in outputs]):
+        ndim, dtype = t
+        if isinstance(s, Split) and not 0 <= s.dim < ndim:
+            return False
+        if isinstance(s, Partial):
+            try:
+                check_partial_dtype(s, dtype)
+            except TypeError:
+                return False
+    return True
+
+
+def _partial_allowed(combo, inputs: list[GlobalTensor]) -> bool:
+    """An input may be made partial locally only if some input already is partial with that op on that axis:
+    otherwise the op would manufacture a partial result that a later op must pay to reduce."""
+    for axis, sig in enumerate(combo):
+        current = [g.sbp[axis] for g in inputs]
+        for want, have in zip(sig.inputs, current):
+            if isinstance(want, Partial) and want != have and want not in current:
+                return False
+    return True
+
+
+def decide(func, args, kwargs) -> Decision:
+    """The cached or freshly made decision for this call; raises NoSignature for the fallback."""
+    key = cache_key(func, args, kwargs)
+    if key is not None and key in _decisions:
+        return _decisions[key]
+    decision = _make_decision(func, args, kwargs)
+    if key is not None:
+        _decisions[key] = decision
+    return decision
+
+
+def _make_decision(func, args, kwargs) -> Decision:
+    rule = rule_for(func)
+    if rule is None:
+        raise NoSignature(f"{func} has no SBP rule")
+    inputs = global_inputs(func, args, kwargs)
+    outs = out_arguments(func, args, kwargs)
+    placement = (inputs or outs)[0].placement
+    outputs = _meta_outputs(func, args, kwargs)
+    bound = tree_map(lambda v: TensorInfo(tuple(v.shape), v.dtype) if isinstance(v, GlobalTensor) else v, _bound(func, args, kwargs))
+    call = OpCall(func, [TensorInfo(tuple(g.shape), g.dtype) for g in inputs], outputs, bound, placement.shape)
+    one_d = [s for s in rule.signatures(call) if _valid_1d(s, inputs, outputs)]
+    written_inputs = [i for i, g in enumerate(inputs) if any(g is w for w in written_globals(func, args, kwargs))]
+    best = None
+    for order, combo in enumerate(itertools.product(one_d, repeat=placement.ndim)):
+        if len({s.kernel for s in combo if s.kernel}) > 1 or not _partial_allowed(combo, inputs):
+            continue
+        if rule.check_nd is not None and not rule.check_nd(call, combo):
+            continue
+        targets = [tuple(s.inputs[i] for s in combo) for i in range(len(inputs))]
+        out_sbps = [tuple(s.outputs[j] for s in combo) for j in range(len(outputs))]
+        if any(targets[i] != inputs[i].sbp for i in written_inputs):
+            continue  # an in-place op keeps its tensor's layout; the other operands are boxed instead
+        if written_inputs and out_sbps and out_sbps[0] != inputs[written_inputs[0]].sbp:
+            continue
+        if outs and (len(outs) != len(out_sbps) or any(o.sbp != s for o, s in zip(outs, out_sbps))):
+            continue
+        if any(tuple(o.shape) != info.shape for o, info in zip(outs, outputs)):
+            continue
+        cost = sum(plan_boxing(g._meta, t).bytes_sent for g, t in zip(inputs, targets))
+        changes = sum(t != g.sbp for g, t in zip(inputs, targets))
+        if best is None or (cost, changes) < best[0]:
+            metas = tuple(GlobalMeta(o.shape, o.dtype, placement, s) for o, s in zip(outputs, out_sbps))
+            best = ((cost, changes), Decision(tuple(targets), metas, combo, rule, cost))
+    if best is None:
+        raise NoSignature(f"no signature of {func} fits these inputs")
+    return best[1]
+
+
+def written_globals(func, args, kwargs) -> list[GlobalTensor]:
+    """The global tensors the op writes into (self of in-place ops, ``out=`` tensors)."""
+    bound = _bound(func, args, kwargs)
+    leaves, _ = tree_flatten([bound.get(name) for _, name, _ in written_arguments(func)])
+    return [v for v in leaves if isinstance(v, GlobalTensor)]

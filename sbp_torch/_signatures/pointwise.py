@@ -1,0 +1,119 @@
+"""Element-wise ops (every aten op tagged ``pointwise``, plus a few untagged ones), with broadcasting.
+
+* ``S(d)`` of the output: each input splits its matching dim, or is broadcast where it has no such dim or
+  has size 1 there (torch broadcasting);
+* ``B``: everything broadcast;
+* partial signatures only where the op commutes with the reduction (table ``PARTIAL_KINDS``):
+  sums pass through ``add``/``sub``/``neg``; scaling by a broadcast factor keeps any partial sum; copies keep
+  every partial.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._sbp import Partial
+from .core import B, P, OpCall, S, Signature, TensorInfo, register_family
+
+aten = torch.ops.aten
+
+# Untagged ops that are element-wise all the same.
+EXTRA_POINTWISE = {
+    aten._to_copy.default,
+    aten.copy_.default,
+    aten.masked_fill_.Scalar,
+    aten.masked_fill_.Tensor,
+    aten.fill_.Scalar,
+    aten.fill_.Tensor,
+    aten.zero_.default,
+    aten.hardtanh_backward.default,
+    aten.detach.default,
+    aten.alias.default,
+    aten.lift_fresh.default,
+    aten.contiguous.default if hasattr(aten, "contiguous") else aten.clone.default,
+}
+
+# op -> which partial signatures it has:
+#   "sum":   every global input P(sum) → P(sum) (additive; numbers in tensor slots are not allowed)
+#   "scale": one global input P(sum), the others B → P(sum) ("first" = only the first input may be partial)
+#   "copy":  one input, any partial kept (the value is not changed)
+PARTIAL_KINDS = {
+    aten.add.Tensor: "sum",
+    aten.add_.Tensor: "sum",
+    aten.sub.Tensor: "sum",
+    aten.sub_.Tensor: "sum",
+    aten.neg.default: "sum",
+    aten.neg_.default: "sum",
+    aten.copy_.default: "sum",
+    aten.mul.Tensor: "scale",
+    aten.mul_.Tensor: "scale",
+    aten.mul.Scalar: "scale",
+    aten.mul_.Scalar: "scale",
+    aten.div.Tensor: "scale_first",
+    aten.div_.Tensor: "scale_first",
+    aten.div.Scalar: "scale_first",
+    aten.div_.Scalar: "scale_first",
+    aten.clone.default: "copy",
+    aten.detach.default: "copy",
+    aten.alias.default: "copy",
+    aten.lift_fresh.default: "copy",
+    aten.positive.default: "copy",
+    aten.zero_.default: "copy",  # zero is the identity of sum, and a max/min of zeros is zero
+    aten._to_copy.default: "copy",
+}
+
+
+def is_pointwise(func) -> bool:
+    return torch.Tag.pointwise in func.tags or func in EXTRA_POINTWISE
+
+
+def operand_sbp(out_shape: tuple[int, ...], operand: TensorInfo, dim: int):
+    """The SBP an operand broadcast to ``out_shape`` needs so that the output can be split on ``dim``."""
+    operand_dim = dim - (len(out_shape) - operand.ndim)
+    if operand_dim < 0 or operand.shape[operand_dim] != out_shape[dim]:
+        return B
+    return S(operand_dim)
+
+
+def _tensor_slots_hold_globals(call: OpCall) -> bool:
+    """Every Tensor-typed argument is a global tensor (not a number or plain scalar tensor)."""
+    for a in call.func._schema.arguments:
+        if str(a.type) in ("Tensor", "Optional[Tensor]") and a.name in call.bound:
+            value = call.bound[a.name]
+            if value is not None and not isinstance(value, TensorInfo):
+                return False
+    return True
+
+
+def _partial_signatures(call: OpCall) -> list[Signature]:
+    kind = PARTIAL_KINDS.get(call.func)
+    n_in, n_out = len(call.inputs), len(call.outputs)
+    same_shape = all(x.shape == call.outputs[0].shape for x in call.inputs)
+    if kind is None or not same_shape:
+        return []
+    if kind == "sum" and _tensor_slots_hold_globals(call):
+        return [Signature((P,) * n_in, (P,) * n_out)]
+    if kind == "scale":
+        return [Signature(tuple(P if i == k else B for i in range(n_in)), (P,) * n_out) for k in range(n_in)]
+    if kind == "scale_first":
+        return [Signature((P,) + (B,) * (n_in - 1), (P,) * n_out)]
+    if kind == "copy" and n_in == 1:
+        out_dtype = call.outputs[0].dtype
+        keeps_sums = out_dtype.is_floating_point or out_dtype.is_complex or out_dtype == call.inputs[0].dtype
+        kinds = ["sum", "max", "min"] if keeps_sums else ["max", "min"]
+        return [Signature((Partial(op),), (Partial(op),) * n_out) for op in kinds]
+    return []
+
+
+@register_family(is_pointwise)
+def pointwise(call: OpCall) -> list[Signature]:
+    if not call.outputs:
+        return []
+    out_shape = call.outputs[0].shape
+    n_out = len(call.outputs)
+    signatures = [
+        Signature(tuple(operand_sbp(out_shape, x, d) for x in call.inputs), (S(d),) * n_out)
+        for d in range(len(out_shape))
+    ]
+    signatures.append(Signature((B,) * len(call.inputs), (B,) * n_out))
+    return signatures + _partial_signatures(call)
