@@ -11,8 +11,10 @@ from . import sbp
 from ._boxing.plan import BoxingPlan, BoxingStep, plan_boxing
 from ._collectives import CollectiveError
 from ._conversions import full_tensor, gradient_sbp, to_global, to_local
+from ._dispatch import set_strict
 from ._factory import arange, empty, full, ones, rand, randn, tensor, zeros
 from ._global_tensor import GlobalTensor
+from ._module import module_to_global
 from ._placement import placement
 
 __all__ = [
@@ -26,11 +28,13 @@ __all__ = [
     "full",
     "full_tensor",
     "gradient_sbp",
+    "module_to_global",
     "ones",
     "placement",
     "rand",
     "randn",
     "sbp",
+    "set_strict",
     "tensor",
     "to_global",
     "to_local",
@@ -46,4 +50,5 @@ def boxing_plan(x: GlobalTensor, sbp) -> BoxingPlan:
 
 
 torch.Tensor.to_global = to_global
+torch.nn.Module.to_global = module_to_global
 torch.Tensor.is_global = property(lambda self: isinstance(self, GlobalTensor), doc="Whether this is a global tensor.")

@@ -26,6 +26,7 @@ from ._layout import GlobalMeta
 from ._sbp import Broadcast
 from ._select import Decision, NoSignature, decide, global_inputs, written_globals
 from ._signatures.core import KernelContext
+from ._signatures.foreach import is_foreach, split_foreach_call
 
 aten = torch.ops.aten
 BROADCAST = Broadcast()
@@ -170,7 +171,24 @@ def _fallback(func, args, kwargs, globals_: list[GlobalTensor], why: str):
     return tree_map(wrap, out)
 
 
+def _run_foreach(func, args, kwargs):
+    """A foreach op, index by index: each index decides its own layout (see ``_signatures/foreach.py``)."""
+    results = []
+    for one_args, one_kwargs in split_foreach_call(func, args, kwargs):
+        has_global = any(isinstance(a, GlobalTensor) for a in tree_flatten((one_args, one_kwargs))[0])
+        results.append(_dispatch_one(func, one_args, one_kwargs) if has_global else func(*one_args, **one_kwargs))
+    if not func._schema.returns:
+        return None
+    return [r[0] for r in results]
+
+
 def dispatch(func, args, kwargs):
+    if is_foreach(func):
+        return _run_foreach(func, args, kwargs)
+    return _dispatch_one(func, args, kwargs)
+
+
+def _dispatch_one(func, args, kwargs):
     flat, _ = tree_flatten((args, kwargs))
     globals_ = _check_operands(func, flat)
     if func in VALUE_OPS:

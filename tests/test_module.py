@@ -1,0 +1,97 @@
+"""``nn.Module.to_global`` and unmodified torch optimizers on global parameters, against one process."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import sbp_torch as st
+from sbp_torch.sbp import broadcast, split
+from world import run_on_world
+
+OPTIMIZERS = {
+    "sgd": lambda ps, foreach: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=foreach),
+    "adam": lambda ps, foreach: torch.optim.Adam(ps, lr=0.01, foreach=foreach),
+    "adamw": lambda ps, foreach: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1, foreach=foreach),
+}
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 10), nn.GELU(), nn.Linear(10, 3))
+
+
+def _train(model, batches, optimizer, to_input=lambda x: x):
+    losses = []
+    for x, y in batches:
+        loss = nn.functional.mse_loss(model(to_input(x)), to_input(y))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss))
+    return losses
+
+
+def _batches(n=3, rows=7):
+    gen = torch.Generator().manual_seed(1)
+    return [(torch.randn(rows, 6, generator=gen), torch.randn(rows, 3, generator=gen)) for _ in range(n)]
+
+
+def _compare_training(plan, input_sbp, optimizer_name, foreach, mesh):
+    p = st.placement("cpu", mesh)
+    reference = _mlp()
+    model = copy.deepcopy(reference).to_global(p, plan)
+    want = _train(reference, _batches(), OPTIMIZERS[optimizer_name](reference.parameters(), foreach))
+    got = _train(
+        model,
+        _batches(),
+        OPTIMIZERS[optimizer_name](model.parameters(), foreach),
+        lambda t: t.to_global(p, (broadcast,) * p.ndim).to_global(sbp=input_sbp),
+    )
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6)
+    for (name, a), b in zip(reference.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b.full_tensor(), a.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        assert b.grad.sbp == st.gradient_sbp(b.sbp), name
+    return [b.sbp for b in model.parameters()]
+
+
+@pytest.mark.parametrize("optimizer_name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("foreach", [False, True])
+def test_data_parallel_training_matches_one_process(optimizer_name, foreach):
+    run_on_world(3, _compare_training, broadcast, split(0), optimizer_name, foreach, [0, 1, 2])
+
+
+def test_tensor_parallel_plan_by_patterns():
+    plan = {"0.weight": split(0), "0.bias": split(0), "2.weight": split(1), "*": broadcast}
+    sbps = run_on_world(2, _compare_training, plan, broadcast, "adamw", False, [0, 1])[0]
+    assert sbps == [(split(0),), (split(0),), (split(1),), (broadcast,)]
+
+
+def _hybrid_plan(name, tensor):
+    """Data parallel on mesh axis 0, Megatron-style tensor parallel on axis 1."""
+    if name.startswith("0."):
+        return (broadcast, split(0))
+    return (broadcast, split(1)) if name == "2.weight" else (broadcast, broadcast)
+
+
+def test_hybrid_plan_on_mesh():
+    run_on_world(4, _compare_training, _hybrid_plan, (split(0), broadcast), "adam", True, [[0, 1], [2, 3]])
+
+
+def _tied_and_errors():
+    p = st.placement("cpu", [0, 1])
+    emb = nn.Embedding(5, 4)
+    head = nn.Linear(4, 5, bias=False)
+    head.weight = emb.weight
+    model = nn.ModuleDict({"emb": emb, "head": head}).to_global(p, {"*.weight": split(1)})
+    assert model["emb"].weight is model["head"].weight
+    with pytest.raises(ValueError, match="'0.bias'.*split dim 1"):
+        nn.Sequential(nn.Linear(2, 2)).to_global(p, split(1))
+    return True
+
+
+def test_tied_parameters_stay_tied_and_bad_plans_name_the_tensor():
+    assert all(run_on_world(2, _tied_and_errors))
