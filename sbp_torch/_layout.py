@@ -36,6 +36,13 @@ class GlobalMeta:
     placement: Placement
     sbp: tuple[SbpType, ...]
 
+    def __post_init__(self):
+        # Metadata is hashed on every dispatch (decision cache keys): compute the hash once.
+        object.__setattr__(self, "_hash", hash((self.shape, self.dtype, self.placement, self.sbp)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
     @property
     def numel(self) -> int:
         n = 1

@@ -80,31 +80,38 @@ def _key_of(value, is_scalar: bool):
         return value._meta
     if isinstance(value, torch.Tensor):
         return ("tensor", tuple(value.shape), value.dtype, value.device.type)
+    if isinstance(value, (list, tuple)):
+        return (type(value), tuple(_key_of(v, is_scalar) for v in value))
     if is_scalar and isinstance(value, (bool, int, float, complex)):
         return type(value)
     return value
 
 
+_scalar_slots: dict = {}
+
+
+def _scalar_slots_of(func) -> tuple[frozenset, frozenset]:
+    """(positions, names) of the schema arguments typed ``Scalar`` (shown as ``number``)."""
+    if func not in _scalar_slots:
+        arguments = func._schema.arguments
+        scalar = [(i, a.name) for i, a in enumerate(arguments) if str(a.type) in ("number", "List[number]")]
+        _scalar_slots[func] = (frozenset(i for i, _ in scalar), frozenset(n for _, n in scalar))
+    return _scalar_slots[func]
+
+
 def cache_key(func, args, kwargs):
     """A hashable key for the decision, or None when some static argument is unhashable."""
-    parts = [func]
-    for name, value in _bound(func, args, kwargs).items():
-        is_scalar = str(_schema_type(func, name)) == "number"
-        leaves, spec = tree_flatten(value)
-        parts.append((name, spec, tuple(_key_of(v, is_scalar) for v in leaves)))
-    key = tuple(parts)
+    positions, names = _scalar_slots_of(func)
+    key = (
+        func,
+        tuple(_key_of(a, i in positions) for i, a in enumerate(args)),
+        tuple((k, _key_of(v, k in names)) for k, v in kwargs.items()),
+    )
     try:
         hash(key)
     except TypeError:
         return None
     return key
-
-
-def _schema_type(func, name):
-    for a in func._schema.arguments:
-        if a.name == name:
-            return a.type
-    return None
 
 
 def global_inputs(func, args, kwargs) -> list[GlobalTensor]:
