@@ -91,6 +91,7 @@ class _FromLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local: torch.Tensor, meta: GlobalMeta, shapes: dict):
         ctx.meta, ctx.shapes = meta, shapes
+        ctx.input_shape, ctx.input_dtype = local.shape, local.dtype
         extreme = _has_extreme(meta)
         # The tie shares of P(max|min) axes come from this rank's own values, re-cut to the balanced region.
         ctx.saved_local = _assemble(local.detach(), meta, shapes, broadcast=False) if extreme else None
@@ -98,7 +99,10 @@ class _FromLocal(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _to_parts(gradient(grad, ctx.meta, ctx.saved_local), ctx.shapes), None, None
+        part = _to_parts(gradient(grad, ctx.meta, ctx.saved_local), ctx.shapes)
+        if ctx.meta.placement.coord_of(dist.get_rank()) is None:  # outside the placement: x was not used
+            part = torch.zeros(ctx.input_shape, dtype=ctx.input_dtype, device=part.device)
+        return part, None, None
 
 
 class _ToLocal(torch.autograd.Function):

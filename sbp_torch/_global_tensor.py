@@ -41,8 +41,17 @@ class GlobalTensor(torch.Tensor):
         out._meta = meta
         return out
 
-    # Ops reach __torch_dispatch__ with autograd already handled; no __torch_function__ wrapping is needed.
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        # Everything goes to __torch_dispatch__ below autograd, except batched matmuls, which torch would
+        # flatten in a way that loses a split of the heads dim (see _batched_matmul.py).
+        from . import _batched_matmul
+
+        kwargs = kwargs or {}
+        if _batched_matmul.applies(func, args, kwargs):
+            return _batched_matmul.BatchedMatmul.apply(*args)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):

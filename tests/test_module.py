@@ -95,3 +95,25 @@ def _tied_and_errors():
 
 def test_tied_parameters_stay_tied_and_bad_plans_name_the_tensor():
     assert all(run_on_world(2, _tied_and_errors))
+
+
+def _attention_products():
+    """q @ k^T and att @ v with heads split stay split (no gather), forward and backward."""
+    from op_check import check_op
+
+    torch.manual_seed(3)
+    q, k = torch.randn(2, 5, 7, 4), torch.randn(2, 5, 7, 4)
+    out = []
+    for ranks, sbp in [([0, 1, 2], split(1)), ([0, 1, 2], split(0)), ([[0, 1], [2, 3]], (split(0), split(1)))]:
+        p = st.placement("cpu", ranks)
+        st.set_strict(True)
+        try:
+            out.append(check_op(lambda a, b: a @ b.transpose(-1, -2), [q, k], p, [sbp, sbp]))
+        finally:
+            st.set_strict(False)
+    return out
+
+
+def test_batched_matmul_keeps_head_split():
+    for got in run_on_world(4, _attention_products):  # rank 3 is outside the 1-D placements
+        assert got == [[(split(1),)], [(split(0),)], [(split(0), split(1))]]

@@ -8,7 +8,7 @@ For ``mm(a[m, k], b[k, n])`` the valid 1-D signatures are:
     P·B → P, B·P → P  the product is linear in each factor
     B·B → B
 
-``bmm`` adds the batch dim; ``addmm``/``baddbmm`` add a bias that follows the product's layout.
+``bmm`` (and ``matmul`` of same-batch tensors, see ``_batched_matmul.py``) add batch dims; ``addmm``/``baddbmm`` add a bias that follows the product's layout.
 """
 
 from __future__ import annotations
@@ -44,6 +44,15 @@ def mm(call: OpCall) -> list[Signature]:
 @register(aten.bmm)
 def bmm(call: OpCall) -> list[Signature]:
     return _product_signatures(1)
+
+
+@register(aten.matmul)
+def batched_matmul(call: OpCall) -> list[Signature]:
+    """Same-batch-shape ``matmul`` of >= 3-D tensors, sent here whole by ``_batched_matmul.py``."""
+    a, b = call.inputs
+    if a.ndim != b.ndim or a.ndim < 3 or a.shape[:-2] != b.shape[:-2]:
+        return []
+    return _product_signatures(a.ndim - 2)
 
 
 def _with_bias(call: OpCall, batch_dims: int) -> list[Signature]:
