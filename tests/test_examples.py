@@ -1,0 +1,49 @@
+"""Short versions of the training examples, on a real 4-rank world, against single-process training."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+from world import run_on_world
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(EXAMPLES, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _gpt_losses(mode, steps):
+    return _load("gpt").run(mode, steps)
+
+
+def _mlp_losses(steps):
+    mlp = _load("mlp_data_parallel")
+    import sbp_torch as st
+    from sbp_torch.sbp import broadcast, split
+
+    placement = st.placement.all("cpu")
+    reference = mlp.make_model()
+    model = mlp.make_model().to_global(placement)
+    return mlp.train(reference, steps), mlp.train(model, steps, lambda t: t.to_global(placement, broadcast).to_global(sbp=split(0)))
+
+
+def _close(want, got):
+    return max(abs(g - w) / abs(w) for g, w in zip(got, want)) < 1e-5
+
+
+@pytest.mark.parametrize("mode", ["dp", "tp", "dp_tp"])
+def test_gpt_trains_like_one_process(mode):
+    for want, got in run_on_world(4, _gpt_losses, mode, 3):
+        assert _close(want, got), (want, got)
+
+
+def test_mlp_data_parallel_trains_like_one_process():
+    for want, got in run_on_world(4, _mlp_losses, 4):
+        assert _close(want, got), (want, got)
