@@ -6,14 +6,18 @@ groups of a placement are created by ``ensure_groups``, which runs where every r
 tensor is first made on the placement (``to_global`` from local tensors and the creation functions). Since
 every rank runs the same program, every rank meets new rank sets in the same order and the caches stay equal.
 
-The caches hold references to torch process groups. They are dropped at interpreter exit (before torch's own
-teardown: a gloo group freed late aborts the process) and whenever the default group is replaced, so a
-program that destroys and re-creates its process group gets fresh groups.
+The caches hold references to torch process groups. They are dropped when the default group is destroyed
+(``destroy_process_group`` is wrapped for that, and also collects garbage first, so that tensors that
+finished collectives still reference are freed while gloo is alive), at interpreter exit, and whenever the
+default group is replaced. A gloo group or its work objects freed during interpreter teardown can abort the
+process ("terminate called without an active exception"), which is what this avoids.
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
+import gc
 import itertools
 from dataclasses import dataclass
 
@@ -43,6 +47,20 @@ def _drop_stale_groups() -> None:
 
 
 atexit.register(forget_groups)
+
+
+def _forgetting_groups(destroy):
+    @functools.wraps(destroy)
+    def destroy_process_group(group=None):
+        if group is None:  # the whole default world goes
+            forget_groups()
+            gc.collect()
+        return destroy(group)
+
+    return destroy_process_group
+
+
+dist.destroy_process_group = _forgetting_groups(dist.destroy_process_group)
 
 
 @dataclass(frozen=True)
