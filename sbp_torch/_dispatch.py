@@ -93,9 +93,23 @@ def _run_decision(func, args, kwargs, decision: Decision, placement):
             [g._meta.with_sbp(t) for g, t in zip(inputs, decision.input_sbps)],
             list(decision.outputs),
             decision.kernel_axes,
+            _bound_with_defaults(func, local_args, local_kwargs),
         )
         out = decision.rule.kernels[decision.kernel](func, context, local_args, local_kwargs)
     return _wrap(func, out, decision, written, local_args, local_kwargs, args, kwargs)
+
+
+def _bound_with_defaults(func, args, kwargs) -> dict:
+    """Schema argument name -> value (local tensors), defaults filled in, for kernels."""
+    bound = {}
+    for i, a in enumerate(func._schema.arguments):
+        if i < len(args):
+            bound[a.name] = args[i]
+        elif a.name in kwargs:
+            bound[a.name] = kwargs[a.name]
+        elif a.has_default_value():
+            bound[a.name] = a.default_value
+    return bound
 
 
 def _wrap(func, out, decision: Decision, written, local_args, local_kwargs, args, kwargs):

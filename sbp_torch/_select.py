@@ -161,12 +161,15 @@ def _valid_1d(sig: Signature, inputs: list[GlobalTensor], outputs: list[TensorIn
 
 
 def _partial_allowed(combo, inputs: list[GlobalTensor]) -> bool:
-    """An input may be made partial locally only if some input already is partial with that op on that axis:
-    otherwise the op would manufacture a partial result that a later op must pay to reduce."""
+    """An input may be made partial locally (free, but the result must be reduced later) only where the op
+    yields a partial result anyway: some input already is partial with that op on that axis, or the
+    signature turns non-partial inputs into a partial output (a bias joining a split-contraction product)."""
     for axis, sig in enumerate(combo):
         current = [g.sbp[axis] for g in inputs]
+        # e.g. addmm (P, S(1), S(0)) -> P: the split contraction makes the partial, the bias joins it
+        inherent = any(isinstance(o, Partial) for o in sig.outputs) and any(isinstance(w, Split) for w in sig.inputs)
         for want, have in zip(sig.inputs, current):
-            if isinstance(want, Partial) and want != have and want not in current:
+            if isinstance(want, Partial) and want != have and want not in current and not inherent:
                 return False
     return True
 
@@ -194,6 +197,7 @@ def _make_decision(func, args, kwargs) -> Decision:
     call = OpCall(func, [TensorInfo(tuple(g.shape), g.dtype) for g in inputs], outputs, bound, placement.shape)
     one_d = [s for s in rule.signatures(call) if _valid_1d(s, inputs, outputs)]
     written_inputs = [i for i, g in enumerate(inputs) if any(g is w for w in written_globals(func, args, kwargs))]
+    aliased_outputs = _outputs_aliasing_inputs(func, args, kwargs, inputs)
     best = None
     for order, combo in enumerate(itertools.product(one_d, repeat=placement.ndim)):
         if len({s.kernel for s in combo if s.kernel}) > 1 or not _partial_allowed(combo, inputs):
@@ -204,7 +208,7 @@ def _make_decision(func, args, kwargs) -> Decision:
         out_sbps = [tuple(s.outputs[j] for s in combo) for j in range(len(outputs))]
         if any(targets[i] != inputs[i].sbp for i in written_inputs):
             continue  # an in-place op keeps its tensor's layout; the other operands are boxed instead
-        if written_inputs and out_sbps and out_sbps[0] != inputs[written_inputs[0]].sbp:
+        if any(out_sbps[j] != inputs[i].sbp for j, i in aliased_outputs):
             continue
         if outs and (len(outs) != len(out_sbps) or any(o.sbp != s for o, s in zip(outs, out_sbps))):
             continue
@@ -218,6 +222,24 @@ def _make_decision(func, args, kwargs) -> Decision:
     if best is None:
         raise NoSignature(f"no signature of {func} fits these inputs")
     return best[1]
+
+
+def _outputs_aliasing_inputs(func, args, kwargs, inputs: list[GlobalTensor]) -> list[tuple[int, int]]:
+    """(output index, input index) for each tensor output that the schema says is a written input (the
+    ``self`` that ``add_`` returns), which must keep that input's layout."""
+    bound = _bound(func, args, kwargs)
+    by_alias = {}
+    for a in func._schema.arguments:
+        if a.alias_info is not None and a.alias_info.is_write and isinstance(bound.get(a.name), GlobalTensor):
+            by_alias[frozenset(a.alias_info.before_set)] = bound[a.name]
+    pairs = []
+    for j, r in enumerate(func._schema.returns):
+        if r.alias_info is not None and r.alias_info.is_write:
+            g = by_alias.get(frozenset(r.alias_info.before_set))
+            index = next((i for i, x in enumerate(inputs) if x is g), None)
+            if index is not None:
+                pairs.append((j, index))
+    return pairs
 
 
 def written_globals(func, args, kwargs) -> list[GlobalTensor]:

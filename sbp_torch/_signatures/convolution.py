@@ -1,0 +1,86 @@
+"""Convolution (``aten.convolution``, every dimensionality, plain or transposed) and its backward.
+
+For ``convolution(input [N, Cin, ...], weight, bias [Cout]?)`` (weight [Cout, Cin/groups, ...], or
+[Cin, Cout/groups, ...] when transposed) the valid 1-D signatures are:
+
+    batch:        input S(0), weight B, bias B            → S(0)     any groups
+    out-channel:  input B, weight S(Cout dim), bias S(0)  → S(1)     groups == 1
+    in-channel:   input S(1), weight S(Cin dim), bias B   → P(sum)   groups == 1, kernel "bias_once"
+    linear:       input P, weight B, bias B (or B, P, B)  → P(sum)   kernel "bias_once"
+    B → B
+
+The convolution is linear in input and weight, so partial sums stay partial; the bias, which must be added
+once, is added only by the rank at coordinate 0 of the axes that make the output partial (kernel
+"bias_once"). A split of a spatial dim needs halos from the neighbours and is left to boxing.
+
+``convolution_backward(grad_output, input, weight)`` → (grad_input, grad_weight, grad_bias), each only where
+``output_mask`` asks for it:
+
+    batch:        S(0), S(0), B              → S(0), P, P
+    out-channel:  S(1), B, S(Cout dim)       → P, S(Cout dim), S(0)
+    in-channel:   B, S(1), S(Cin dim)        → S(1), S(Cin dim), B
+    linear:       P, B, B                    → P, P, P
+    B → B
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .core import B, P, OpCall, S, Signature, register
+
+aten = torch.ops.aten
+
+BIAS_ONCE = "bias_once"
+
+
+def _channel_dims(transposed: bool) -> tuple[int, int]:
+    """(dim of the output channels, dim of the input channels) of the weight."""
+    return (1, 0) if transposed else (0, 1)
+
+
+def _convolve_bias_once(func, ctx, args, kwargs) -> torch.Tensor:
+    """The convolution without bias, plus the bias on the rank at coordinate 0 of every kernel axis."""
+    x, weight, bias, *options = args
+    out = func(x, weight, None, *options)
+    coord = ctx.placement.coord_of(dist.get_rank())
+    if bias is not None and all(coord[a] == 0 for a in ctx.kernel_axes):
+        out = out + bias.view(1, -1, *[1] * (out.dim() - 2))
+    return out
+
+
+@register(aten.convolution, kernels={BIAS_ONCE: _convolve_bias_once})
+def convolution(call: OpCall) -> list[Signature]:
+    has_bias = len(call.inputs) == 3
+    bias = lambda sbp: (sbp,) if has_bias else ()  # noqa: E731
+    partial_kernel = BIAS_ONCE if has_bias else None
+    out_dim, in_dim = _channel_dims(call.arg("transposed", False))
+    signatures = [Signature((S(0), B) + bias(B), (S(0),))]
+    if call.arg("groups", 1) == 1:
+        signatures += [
+            Signature((B, S(out_dim)) + bias(S(0)), (S(1),)),
+            Signature((S(1), S(in_dim)) + bias(B), (P,), kernel=partial_kernel),
+        ]
+    return signatures + [
+        Signature((P, B) + bias(B), (P,), kernel=partial_kernel),
+        Signature((B, P) + bias(B), (P,), kernel=partial_kernel),
+        Signature((B, B) + bias(B), (B,)),
+    ]
+
+
+@register(aten.convolution_backward)
+def convolution_backward(call: OpCall) -> list[Signature]:
+    out_dim, in_dim = _channel_dims(call.arg("transposed", False))
+    mask = call.bound["output_mask"]
+
+    def signature(inputs, grads):
+        return Signature(inputs, tuple(g for g, wanted in zip(grads, mask) if wanted))
+
+    signatures = [signature((S(0), S(0), B), (S(0), P, P))]
+    if call.arg("groups", 1) == 1:
+        signatures += [
+            signature((S(1), B, S(out_dim)), (P, S(out_dim), S(0))),
+            signature((B, S(1), S(in_dim)), (S(1), S(in_dim), B)),
+        ]
+    return signatures + [signature((P, B, B), (P, P, P)), signature((B, B, B), (B, B, B))]

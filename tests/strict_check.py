@@ -1,0 +1,43 @@
+"""Proof that ops run on their inputs' layouts: strict mode (no broadcast fallback) and the layouts that
+outputs and gradients come out in. Use inside ``run_on_world`` bodies, next to ``op_check.check_op`` (which
+compares the values)."""
+
+from __future__ import annotations
+
+import torch
+
+import sbp_torch as st
+from op_check import layout
+from sbp_torch import _dispatch
+
+
+def strict(fn):
+    """``fn`` run in strict mode: an op without a fitting signature raises instead of gathering."""
+
+    def run(*args, **kwargs):
+        _dispatch.set_strict(True)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _dispatch.set_strict(False)
+
+    return run
+
+
+def gradient_layouts(fn, inputs, placement, sbps):
+    """Run ``fn`` forward and backward on global inputs, all in strict mode, and return the output's SBP and
+    the SBPs of the gradients of the floating inputs (None where no gradient arrived).
+
+    The output's gradient is given directly, laid out as ``gradient_sbp`` of the output, so the backward
+    runs only the op's own backward ops (no ``ones_like``/``expand`` of a loss).
+    """
+    wants_grad = [isinstance(x, torch.Tensor) and x.is_floating_point() for x in inputs]
+    as_global = [
+        layout(x, placement, s).detach().requires_grad_(w) if isinstance(x, torch.Tensor) else x
+        for x, s, w in zip(inputs, sbps, wants_grad)
+    ]
+    out = strict(fn)(*as_global)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(3), dtype=out.dtype)
+    grad = layout(grad, placement, st.gradient_sbp(out.sbp))
+    strict(out.backward)(grad)
+    return out.sbp, [None if x.grad is None else x.grad.sbp for x, w in zip(as_global, wants_grad) if w]

@@ -1,0 +1,101 @@
+"""Convolutions on global tensors against plain torch: batch, output-channel and input-channel splits
+(plain and transposed), forward and backward without the fallback."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import sbp_torch as st
+from op_check import check_op
+from sbp_torch.sbp import broadcast as B
+from sbp_torch.sbp import partial_sum as P
+from sbp_torch.sbp import split as S
+from strict_check import gradient_layouts
+from world import run_on_world
+
+GEN = torch.Generator().manual_seed(0)
+IMAGES = torch.randn(5, 4, 6, 6, generator=GEN, dtype=torch.float64)
+FILTERS = torch.randn(7, 4, 3, 3, generator=GEN, dtype=torch.float64)
+GROUPED = torch.randn(6, 2, 3, 3, generator=GEN, dtype=torch.float64)
+BIAS = torch.randn(7, generator=GEN, dtype=torch.float64)
+UP = torch.randn(4, 5, 3, 3, generator=GEN, dtype=torch.float64)  # transposed: [in, out, k, k]
+SIGNALS = torch.randn(3, 4, 9, generator=GEN, dtype=torch.float64)
+FILTERS_1D = torch.randn(5, 4, 3, generator=GEN, dtype=torch.float64)
+
+
+def conv2d(x, w, b=None):
+    return F.conv2d(x, w, b, padding=1)
+
+
+def strided(x, w, b):
+    return F.conv2d(x, w, b, stride=2, dilation=2, padding=2)
+
+
+def grouped(x, w):
+    return F.conv2d(x, w, groups=2)
+
+
+def transposed(x, w):
+    return F.conv_transpose2d(x, w, stride=2, padding=1, output_padding=1)
+
+
+def conv1d(x, w):
+    return F.conv1d(x, w)
+
+
+# (function, inputs, input sbps, output sbp, gradient sbps of the inputs) on a 1-D placement
+CASES_1D = [
+    (conv2d, [IMAGES, FILTERS, BIAS], [S(0), B, B], S(0), [S(0), P, P]),
+    (conv2d, [IMAGES, FILTERS, BIAS], [B, S(0), S(0)], S(1), [P, S(0), S(0)]),
+    (conv2d, [IMAGES, FILTERS, BIAS], [S(1), S(1), B], P, [S(1), S(1), B]),
+    (conv2d, [IMAGES, FILTERS], [S(1), S(1)], P, [S(1), S(1)]),
+    (conv2d, [IMAGES, FILTERS], [P, B], P, [S(0), P]),  # backward: the partial input is reduce-scattered
+    (strided, [IMAGES, FILTERS, BIAS], [S(0), B, B], S(0), [S(0), P, P]),
+    (strided, [IMAGES, FILTERS, BIAS], [S(1), S(1), B], P, [S(1), S(1), B]),
+    (grouped, [IMAGES, GROUPED], [S(0), B], S(0), [S(0), P]),
+    (transposed, [IMAGES, UP], [S(1), S(0)], P, [S(1), S(0)]),
+    (transposed, [IMAGES, UP], [B, S(1)], S(1), [P, S(1)]),
+    (transposed, [IMAGES, UP], [S(0), B], S(0), [S(0), P]),
+    (conv1d, [SIGNALS, FILTERS_1D], [S(0), B], S(0), [S(0), P]),
+    (conv1d, [SIGNALS, FILTERS_1D], [B, S(0)], S(1), [P, S(0)]),
+]
+
+BIASED = [IMAGES, FILTERS, BIAS]
+CASES_2D = [
+    (conv2d, BIASED, [(S(0), B), (B, S(0)), (B, S(0))], (S(0), S(1)), [(S(0), P), (P, S(0)), (P, S(0))]),
+    (conv2d, BIASED, [(S(0), S(1)), (B, S(1)), (B, B)], (S(0), P), [(S(0), S(1)), (P, S(1)), (P, B)]),
+    (conv2d, BIASED, [(S(1), B), (S(1), S(0)), (B, S(0))], (P, S(1)), [(S(1), P), (S(1), S(0)), (B, S(0))]),
+    (transposed, [IMAGES, UP], [(S(0), S(1)), (B, S(0))], (S(0), P), [(S(0), S(1)), (P, S(0))]),
+]
+
+
+def _check_cases(cases, p, kind):
+    """Values against torch (``check_op``), then layouts with forward and backward in strict mode."""
+    for i, (fn, inputs, sbps, expect, expect_grads) in enumerate(cases):
+        expect = expect if isinstance(expect, tuple) else (expect,)
+        expect_grads = [g if isinstance(g, tuple) else (g,) for g in expect_grads]
+        sbps = [s if isinstance(s, tuple) else (s,) for s in sbps]
+        try:
+            check_op(fn, inputs, p, sbps, expect_sbp=expect)
+            out_sbp, grads = gradient_layouts(fn, inputs, p, sbps)
+            assert (out_sbp, grads) == (expect, expect_grads), f"output, gradients: {out_sbp}, {grads}"
+        except Exception as err:
+            raise AssertionError(f"{kind} case {i}: {err}") from err
+
+
+def convolution_1d(n):
+    _check_cases(CASES_1D, st.placement("cpu", list(range(n))), "1-D")
+
+
+def convolution_2d():
+    _check_cases(CASES_2D, st.placement("cpu", [[0, 1], [2, 3]]), "2-D")
+
+
+def test_convolution_1d():
+    run_on_world(2, convolution_1d, 2)
+    run_on_world(3, convolution_1d, 3)
+
+
+def test_convolution_2x2():
+    run_on_world(4, convolution_2d)

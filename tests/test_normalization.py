@@ -1,0 +1,129 @@
+"""Layer, group and batch normalization on global tensors against plain torch: splits that keep the
+statistics local, and synchronized batch norm (statistics all-reduced) for batch splits in training."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import sbp_torch as st
+from op_check import check_op
+from sbp_torch.sbp import broadcast as B
+from sbp_torch.sbp import partial_sum as P
+from sbp_torch.sbp import split as S
+from strict_check import gradient_layouts
+from world import run_on_world
+
+GEN = torch.Generator().manual_seed(0)
+TOKENS = torch.randn(5, 3, 6, generator=GEN, dtype=torch.float64)
+GAIN = torch.rand(6, generator=GEN, dtype=torch.float64) + 0.5
+SHIFT = torch.randn(6, generator=GEN, dtype=torch.float64)
+GAIN_2D = torch.rand(3, 6, generator=GEN, dtype=torch.float64) + 0.5
+IMAGES = torch.randn(5, 4, 3, 3, generator=GEN, dtype=torch.float64)
+CHANNEL_GAIN = torch.rand(4, generator=GEN, dtype=torch.float64) + 0.5
+CHANNEL_SHIFT = torch.randn(4, generator=GEN, dtype=torch.float64)
+RUNNING_MEAN = torch.randn(4, generator=GEN, dtype=torch.float64)
+RUNNING_VAR = torch.rand(4, generator=GEN, dtype=torch.float64) + 0.5
+
+
+def layer_norm(x, w=None, b=None):
+    return F.layer_norm(x, (6,), w, b)
+
+
+def layer_norm_2d(x, w):
+    return F.layer_norm(x, (3, 6), w)
+
+
+def group_norm(x, w, b):
+    return F.group_norm(x, 2, w, b)
+
+
+def batch_norm_eval(x, w, b, mean, var):
+    return F.batch_norm(x, mean.detach(), var.detach(), w, b, training=False)
+
+
+def batch_norm_train(x, w, b):
+    return F.batch_norm(x, None, None, w, b, training=True)
+
+
+def batch_norm_running(x, w, b, mean, var):
+    """Training with running statistics: they are returned too, to compare their in-place update."""
+    mean, var = mean.detach(), var.detach()
+    return F.batch_norm(x, mean, var, w, b, training=True, momentum=0.3), mean, var
+
+
+AFFINE = [GAIN, SHIFT]
+CHANNEL_AFFINE = [CHANNEL_GAIN, CHANNEL_SHIFT]
+STATS = [RUNNING_MEAN, RUNNING_VAR]
+
+# (function, inputs, input sbps, output sbp, gradient sbps of the floating inputs) on a 1-D placement
+CASES_1D = [
+    (layer_norm, [TOKENS] + AFFINE, [S(0), B, B], S(0), [S(0), P, P]),
+    (layer_norm, [TOKENS] + AFFINE, [S(1), B, B], S(1), [S(1), P, P]),
+    (layer_norm, [TOKENS], [S(1)], S(1), [S(1)]),
+    (layer_norm_2d, [TOKENS, GAIN_2D], [S(0), B], S(0), [S(0), P]),
+    (group_norm, [IMAGES] + CHANNEL_AFFINE, [S(0), B, B], S(0), [S(0), P, P]),
+    (batch_norm_eval, [IMAGES] + CHANNEL_AFFINE + STATS, [S(0), B, B, B, B], S(0), [S(0), P, P, None, None]),
+    (batch_norm_eval, [IMAGES] + CHANNEL_AFFINE + STATS, [S(1)] + [S(0)] * 4, S(1), [S(1), S(0), S(0), None, None]),
+    (batch_norm_train, [IMAGES] + CHANNEL_AFFINE, [S(1), S(0), S(0)], S(1), [S(1), S(0), S(0)]),
+    (batch_norm_train, [IMAGES] + CHANNEL_AFFINE, [S(0), B, B], S(0), [S(0), B, B]),
+    (batch_norm_train, [IMAGES] + CHANNEL_AFFINE, [S(3), B, B], S(3), [S(3), B, B]),
+    (batch_norm_running, [IMAGES] + CHANNEL_AFFINE + STATS, [S(0), B, B, B, B], S(0), [S(0), B, B, None, None]),
+]
+
+CASES_2D = [
+    (layer_norm, [TOKENS] + AFFINE, [(S(0), S(1)), (B, B), (B, B)], (S(0), S(1)), [(S(0), S(1)), (P, P), (P, P)]),
+    (
+        group_norm,
+        [IMAGES] + CHANNEL_AFFINE,
+        [(S(0), S(0)), (B, B), (B, B)],
+        (S(0), S(0)),
+        [(S(0), S(0)), (P, P), (P, P)],
+    ),
+    (
+        batch_norm_train,
+        [IMAGES] + CHANNEL_AFFINE,
+        [(S(0), S(1)), (B, S(0)), (B, S(0))],
+        (S(0), S(1)),
+        [(S(0), S(1)), (B, S(0)), (B, S(0))],
+    ),
+    (
+        batch_norm_running,
+        [IMAGES] + CHANNEL_AFFINE + STATS,
+        [(S(0), S(2))] + [(B, B)] * 4,
+        (S(0), S(2)),
+        [(S(0), S(2)), (B, B), (B, B), None, None],
+    ),
+]
+
+
+def _check_cases(cases, p, kind):
+    """Values against torch (``check_op``), then layouts with forward and backward in strict mode."""
+    for i, (fn, inputs, sbps, expect, expect_grads) in enumerate(cases):
+        expect = expect if isinstance(expect, tuple) else (expect,)
+        expect_grads = [g if isinstance(g, tuple) or g is None else (g,) for g in expect_grads]
+        sbps = [s if isinstance(s, tuple) else (s,) for s in sbps]
+        try:
+            check_op(fn, inputs, p, sbps, expect_sbp=expect)
+            first = (lambda *a: fn(*a)[0]) if fn is batch_norm_running else fn
+            out_sbp, grads = gradient_layouts(first, inputs, p, sbps)
+            assert (out_sbp, grads) == (expect, expect_grads), f"output, gradients: {out_sbp}, {grads}"
+        except Exception as err:
+            raise AssertionError(f"{kind} case {i}: {err}") from err
+
+
+def normalization_1d(n):
+    _check_cases(CASES_1D, st.placement("cpu", list(range(n))), "1-D")
+
+
+def normalization_2d():
+    _check_cases(CASES_2D, st.placement("cpu", [[0, 1], [2, 3]]), "2-D")
+
+
+def test_normalization_1d():
+    run_on_world(2, normalization_1d, 2)
+    run_on_world(3, normalization_1d, 3)
+
+
+def test_normalization_2x2():
+    run_on_world(4, normalization_2d)
