@@ -1,0 +1,142 @@
+"""Random ops: ``rand_like``, ``randn_like``, ``bernoulli`` (and ``bernoulli_``), ``normal_``, ``uniform_``,
+``native_dropout``.
+
+The logical random values do not depend on the world size, the placement or the SBPs: with the same seed on
+every rank, a dropout mask on a split tensor is the mask the same program draws on one rank. Every signature
+runs the kernel ``random``, which draws the logical tensor's values in this rank's region with
+``_random.random_region`` (CPU: the whole logical tensor from torch's generator, then the region; CUDA: a
+counter-based stream evaluated on the region only) and computes the op from them:
+
+* ``rand_like``/``uniform_`` use uniform draws, ``randn_like``/``normal_`` normal ones (on CPU the values
+  of ``torch.rand``/``torch.randn`` of the logical shape, as torch itself gives);
+* ``bernoulli`` is ``u < p`` for uniform draws ``u``; dropout keeps ``u < 1 - p`` and scales the kept values
+  by ``1 / (1 - p)``, the same mask whether it comes from ``native_dropout`` or from ``bernoulli_``.
+
+So bernoulli and dropout masks differ from torch's own CPU streams for them (they equal our one-rank result),
+in exchange for the layout independence. Partial outputs of in-place ops hold the value on one rank per
+partial-sum axis (zeros elsewhere); calls with an explicit ``generator`` take the broadcast fallback.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .._boxing.plan import plan_boxing
+from .._boxing.run import run_plan
+from .._layout import GlobalMeta
+from .._random import random_region
+from .._sbp import Partial
+from .core import B, KernelContext, OpCall, S, Signature, register
+from .factory import like_input
+from .pointwise import operand_sbp
+from .views import PARTIALS
+
+aten = torch.ops.aten
+
+# op -> (distribution drawn, the result from the drawn values ``u`` and the op's local arguments by name)
+DRAWS = {
+    aten.rand_like.default: ("uniform", lambda u, a: u),
+    aten.randn_like.default: ("normal", lambda u, a: u),
+    aten.bernoulli.default: ("uniform", lambda u, a: u < a["self"]),
+    aten.bernoulli.p: ("uniform", lambda u, a: u < a["p"]),
+    aten.bernoulli_.float: ("uniform", lambda u, a: u < a["p"]),
+    aten.bernoulli_.Tensor: ("uniform", lambda u, a: u < a["p"]),
+    aten.normal_.default: ("normal", lambda u, a: u * a["std"] + a["mean"]),
+    aten.uniform_.default: ("uniform", lambda u, a: u * (a["to"] - a["from"]) + a["from"]),
+}
+IN_PLACE = {aten.bernoulli_.float, aten.bernoulli_.Tensor, aten.normal_.default, aten.uniform_.default}
+
+
+def _arguments(func, args, kwargs) -> dict:
+    """The op's arguments by schema name, defaults filled in."""
+    out = {}
+    for i, a in enumerate(func._schema.arguments):
+        if i < len(args):
+            out[a.name] = args[i]
+        elif a.name in kwargs:
+            out[a.name] = kwargs[a.name]
+        elif a.has_default_value():
+            out[a.name] = a.default_value
+    return out
+
+
+def _without_partials(meta: GlobalMeta) -> GlobalMeta:
+    return meta.with_sbp(tuple(B if isinstance(s, Partial) else s for s in meta.sbp))
+
+
+def _draw(kind: str, meta: GlobalMeta, device) -> torch.Tensor:
+    """This rank's region of fresh random values of ``meta``'s shape (floating: ``meta``'s dtype, else the
+    default dtype), partial axes held whole."""
+    dtype = meta.dtype if meta.dtype.is_floating_point else torch.get_default_dtype()
+    drawn = GlobalMeta(meta.shape, dtype, meta.placement, _without_partials(meta).sbp)
+    starts, lengths = drawn.region(meta.placement.coord_of(dist.get_rank()))
+    return random_region(kind, drawn, starts, lengths, device)
+
+
+def _dropout(ctx: KernelContext, a: dict):
+    x, p, train = a["input"], a["p"], a["train"]
+    mask_meta = ctx.outputs[1]
+    if train is False:
+        return x.clone(), torch.ones_like(x, dtype=mask_meta.dtype)
+    keep = 1.0 - p
+    scale = 0.0 if keep == 0 else 1.0 / keep
+    mask = _draw("uniform", GlobalMeta(mask_meta.shape, x.dtype, ctx.placement, mask_meta.sbp), x.device) < keep
+    return x * mask * scale, mask.to(mask_meta.dtype)
+
+
+def _random(func, ctx: KernelContext, args, kwargs):
+    a = _arguments(func, args, kwargs)
+    if func == aten.native_dropout.default:
+        return _dropout(ctx, a)
+    kind, result = DRAWS[func]
+    out = ctx.outputs[0]
+    values = result(_draw(kind, out, args[0].device), a).to(out.dtype)
+    values = run_plan(values, plan_boxing(_without_partials(out), out.sbp))  # partial axes: made locally
+    return args[0].copy_(values) if func in IN_PLACE else values
+
+
+KERNELS = {"random": _random}
+
+
+def _uses_own_generator(call: OpCall) -> bool:
+    return call.arg("generator") is not None
+
+
+@register(aten.rand_like.default, aten.randn_like.default, aten.bernoulli.p, kernels=KERNELS)
+def fresh(call: OpCall) -> list[Signature]:
+    """The input gives only the shape: its splits are kept, broadcast and partial inputs give B."""
+    return [] if _uses_own_generator(call) else like_input(call, "random")
+
+
+@register(aten.bernoulli.default, kernels=KERNELS)
+def bernoulli(call: OpCall) -> list[Signature]:
+    """The input holds the probabilities: split or broadcast (a partial probability is no probability)."""
+    if _uses_own_generator(call):
+        return []
+    return [Signature((S(d),), (S(d),), "random") for d in range(call.inputs[0].ndim)] + [
+        Signature((B,), (B,), "random")
+    ]
+
+
+@register(*IN_PLACE, kernels=KERNELS)
+def fill_random(call: OpCall) -> list[Signature]:
+    """In place: the tensor keeps its layout (partial too); a tensor ``p`` of ``bernoulli_`` broadcasts."""
+    if _uses_own_generator(call):
+        return []
+    x, operands = call.inputs[0], call.inputs[1:]
+    signatures = [
+        Signature((S(d),) + tuple(operand_sbp(x.shape, t, d) for t in operands), (S(d),), "random")
+        for d in range(x.ndim)
+    ]
+    return signatures + [Signature((s,) + (B,) * len(operands), (s,), "random") for s in (B, *PARTIALS)]
+
+
+@register(aten.native_dropout.default, kernels=KERNELS)
+def native_dropout(call: OpCall) -> list[Signature]:
+    """(output, mask): the output is linear in the input, so a partial input gives a partial output and a
+    broadcast mask."""
+    if _uses_own_generator(call):
+        return []
+    splits = [Signature((S(d),), (S(d), S(d)), "random") for d in range(call.inputs[0].ndim)]
+    return splits + [Signature((s,), (s, B), "random") for s in (B, *PARTIALS)]

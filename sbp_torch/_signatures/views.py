@@ -1,0 +1,298 @@
+"""View and shape ops: permutations, slices, squeezes, expands, splits, concatenation, reshapes.
+
+These ops move values without combining them, so ``B`` and every partial (sum, max, min) pass through
+unchanged. A split passes through when the op leaves the split dim alone; it then names the dim that the
+split dim becomes (``S(1)`` of ``x.t()`` is ``S(0)``). A dim that the op changes (sliced, selected, flipped,
+rolled, expanded from 1, squeezed, concatenated along) cannot stay split; such inputs are boxed first.
+
+``view``/``_unsafe_view`` pair the input dims and the output dims (size-1 dims aside) into consecutive
+blocks with equal products: ``(6, 4, 5) -> (24, 5)`` has the blocks ``(6, 4) -> (24,)`` and ``(5,) -> (5,)``.
+A split of input dim ``d`` maps to the first dim of its block's output, if ``d`` is the first dim of its
+block and either
+
+* the block is one unchanged dim (any split, balanced uneven ones included), or
+* the split is exact: the input dim and the output dim are both divisible by the number of parts along
+  ``d`` on the N-D placement (the product of the sizes of the axes splitting it; checked in ``check_nd``).
+
+Why exact: a rank's rows of a merged dim are a contiguous run of the block's elements, which is a run of
+rows of the output dim only if the run's length and start are multiples of the output's inner size. With
+balanced uneven parts (5 rows of 4 on 2 ranks: 12 and 8 elements) the runs do not match the balanced parts
+of the output (20 elements on 2 ranks: 10 and 10), so uneven splits survive only unchanged dims.
+
+Ops that take a size (``view``, ``expand``, ``slice_backward``, ...) or that squeeze by size run through
+kernels that hand the local op the local sizes; ``view`` reshapes, because the local part of a view of a
+transposed tensor need not be viewable even where the logical tensor (always contiguous to torch) is.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .._sbp import Split
+from .core import B, P, P_MAX, P_MIN, KernelContext, OpCall, S, Signature, register
+
+aten = torch.ops.aten
+PARTIALS = (P, P_MAX, P_MIN)
+
+
+def local_output_shape(ctx: KernelContext, index: int = 0) -> tuple[int, ...]:
+    """The shape of this rank's part of output ``index``."""
+    return ctx.outputs[index].local_shape(ctx.placement.coord_of(dist.get_rank()))
+
+
+def with_argument(func, args, kwargs, name: str, value):
+    """``(args, kwargs)`` with the schema argument ``name`` set to ``value``."""
+    position = [a.name for a in func._schema.arguments].index(name)
+    if position < len(args):
+        return tuple(args[:position]) + (value,) + tuple(args[position + 1 :]), kwargs
+    return args, {**kwargs, name: value}
+
+
+def pass_through(n_in: int, n_out: int, kernel: str | None = None) -> list[Signature]:
+    """``B -> B`` and each partial to itself, for every input and output."""
+    return [Signature((s,) * n_in, (s,) * n_out, kernel) for s in (B, *PARTIALS)]
+
+
+def _norm(dim: int, ndim: int) -> int:
+    return dim % ndim if ndim else 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Which input dims keep their split, and the output dim each becomes: one function per op.
+
+
+def _t(call: OpCall) -> dict[int, int]:
+    n = call.inputs[0].ndim
+    return {0: 1, 1: 0} if n == 2 else {d: d for d in range(n)}
+
+
+def _transpose(call: OpCall) -> dict[int, int]:
+    n = call.inputs[0].ndim
+    d0, d1 = _norm(call.arg("dim0"), n), _norm(call.arg("dim1"), n)
+    swap = {d0: d1, d1: d0}
+    return {d: swap.get(d, d) for d in range(n)}
+
+
+def _permute(call: OpCall) -> dict[int, int]:
+    n = call.inputs[0].ndim
+    dims = [_norm(d, n) for d in call.arg("dims")]
+    return {d: dims.index(d) for d in range(n)}
+
+
+def _unsqueeze(call: OpCall) -> dict[int, int]:
+    n = call.inputs[0].ndim
+    dim = call.arg("dim") % (n + 1)
+    return {d: d + (d >= dim) for d in range(n)}
+
+
+def squeezed_dims(call_func, shape: tuple[int, ...], bound: dict) -> list[int]:
+    """The dims that the squeeze actually removes: the requested ones of logical size 1."""
+    n = len(shape)
+    if call_func == aten.squeeze.dim:
+        requested = [bound["dim"]]
+    elif call_func == aten.squeeze.dims:
+        requested = list(bound["dim"])
+    else:
+        requested = range(n)
+    return sorted({_norm(d, n) for d in requested if n and shape[_norm(d, n)] == 1})
+
+
+def _squeeze(call: OpCall) -> dict[int, int]:
+    removed = squeezed_dims(call.func, call.inputs[0].shape, call.bound)
+    return {d: d - sum(r < d for r in removed) for d in range(call.inputs[0].ndim) if d not in removed}
+
+
+def _expand(call: OpCall) -> dict[int, int]:
+    shape, out = call.inputs[0].shape, call.outputs[0].shape
+    lead = len(out) - len(shape)
+    return {d: d + lead for d in range(len(shape)) if shape[d] == out[d + lead]}
+
+
+def _slice(call: OpCall) -> dict[int, int]:
+    shape, out = call.inputs[0].shape, call.outputs[0].shape
+    dim = _norm(call.arg("dim", 0), len(shape))
+    whole = shape[dim] == out[dim] and call.arg("step", 1) == 1
+    return {d: d for d in range(len(shape)) if d != dim or whole}
+
+
+def _drop_dim(call: OpCall) -> dict[int, int]:
+    """select/unbind: the dim disappears."""
+    n = call.inputs[0].ndim
+    dim = _norm(call.arg("dim", 0), n)
+    return {d: d - (d > dim) for d in range(n) if d != dim}
+
+
+def _other_dims(dims_argument: str, default):
+    """Ops that change only the dims named by an argument (split, flip, roll, rot90, narrow_copy, unfold)."""
+
+    def kept(call: OpCall) -> dict[int, int]:
+        n = call.inputs[0].ndim
+        changed = call.arg(dims_argument, default)
+        changed = {_norm(d, n) for d in (changed if isinstance(changed, (list, tuple)) else [changed])}
+        return {d: d for d in range(n) if d not in changed}
+
+    return kept
+
+
+def _roll(call: OpCall) -> dict[int, int]:
+    return _other_dims("dims", [])(call) if call.arg("dims", []) else {}  # no dims: rolls the flattened tensor
+
+
+def _repeat(call: OpCall) -> dict[int, int]:
+    n = call.inputs[0].ndim
+    repeats = call.arg("repeats")
+    lead = len(repeats) - n
+    return {d: d + lead for d in range(n) if repeats[d + lead] == 1}
+
+
+def _slice_backward(call: OpCall) -> dict[int, int]:
+    n = len(call.arg("input_sizes"))
+    dim = _norm(call.arg("dim"), n)
+    return {d: d for d in range(n) if d != dim}
+
+
+def _select_backward(call: OpCall) -> dict[int, int]:
+    n = len(call.arg("input_sizes"))
+    dim = _norm(call.arg("dim"), n)
+    return {d: d + (d >= dim) for d in range(n - 1)}
+
+
+def _unfold_backward(call: OpCall) -> dict[int, int]:
+    n = len(call.arg("input_sizes"))
+    dim = _norm(call.arg("dim"), n)
+    return {d: d for d in range(n) if d != dim}
+
+
+def view_blocks(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
+    """Consecutive groups of dims (size-1 dims left out) of ``src`` and ``dst`` with equal products.
+
+    ``src`` and ``dst`` must have the same, non-zero number of elements."""
+    a = [d for d, n in enumerate(src) if n != 1]
+    b = [d for d, n in enumerate(dst) if n != 1]
+    blocks, i, j = [], 0, 0
+    while i < len(a):
+        ins, outs = [a[i]], [b[j]]
+        pa, pb = src[a[i]], dst[b[j]]
+        i, j = i + 1, j + 1
+        while pa != pb:
+            if pa < pb:
+                ins.append(a[i])
+                pa *= src[a[i]]
+                i += 1
+            else:
+                outs.append(b[j])
+                pb *= dst[b[j]]
+                j += 1
+        blocks.append((ins, outs))
+    return blocks
+
+
+def _view(call: OpCall) -> dict[int, int]:
+    src, dst = call.inputs[0].shape, call.outputs[0].shape
+    if 0 in src:
+        return {}
+    return {ins[0]: outs[0] for ins, outs in view_blocks(src, dst)}
+
+
+def _exact_view_splits(call: OpCall, combo: tuple[Signature, ...]) -> bool:
+    """A split of a merged or split block must cut it into equal parts on both sides (module docstring)."""
+    src, dst = call.inputs[0].shape, call.outputs[0].shape
+    parts: dict[int, int] = {}
+    for size, sig in zip(call.mesh_shape, combo):
+        if isinstance(sig.inputs[0], Split):
+            parts[sig.inputs[0].dim] = parts.get(sig.inputs[0].dim, 1) * size
+    if not parts:
+        return True
+    for ins, outs in view_blocks(src, dst):
+        n = parts.get(ins[0], 1)
+        if (len(ins), len(outs)) != (1, 1) and (src[ins[0]] % n or dst[outs[0]] % n):
+            return False
+    return True
+
+
+# op -> (kept dims, kernel or None). Ops with a kernel take sizes that must be the local ones.
+SINGLE_INPUT_VIEWS = {
+    aten.t.default: (_t, None),
+    aten.transpose.int: (_transpose, None),
+    aten.permute.default: (_permute, None),
+    aten.unsqueeze.default: (_unsqueeze, None),
+    aten.squeeze.default: (_squeeze, "squeeze"),
+    aten.squeeze.dim: (_squeeze, "squeeze"),
+    aten.squeeze.dims: (_squeeze, "squeeze"),
+    aten.expand.default: (_expand, "local_size"),
+    aten.slice.Tensor: (_slice, None),
+    aten.select.int: (_drop_dim, None),
+    aten.unbind.int: (_drop_dim, None),
+    aten.split.Tensor: (_other_dims("dim", 0), None),
+    aten.split_with_sizes.default: (_other_dims("dim", 0), None),
+    aten.flip.default: (_other_dims("dims", []), None),
+    aten.roll.default: (_roll, None),
+    aten.rot90.default: (_other_dims("dims", [0, 1]), None),
+    aten.narrow_copy.default: (_other_dims("dim", 0), None),
+    aten.unfold.default: (_other_dims("dimension", 0), None),
+    aten.repeat.default: (_repeat, None),
+    aten.slice_backward.default: (_slice_backward, "local_size"),
+    aten.select_backward.default: (_select_backward, "local_size"),
+    aten.unfold_backward.default: (_unfold_backward, "local_size"),
+}
+VIEWS = {aten.view.default, aten._unsafe_view.default, aten._reshape_alias.default}
+
+# The size argument that a "local_size" kernel replaces with the local output shape.
+SIZE_ARGUMENT = {
+    aten.expand.default: "size",
+    aten.slice_backward.default: "input_sizes",
+    aten.select_backward.default: "input_sizes",
+    aten.unfold_backward.default: "input_sizes",
+}
+
+
+def _local_size(func, ctx: KernelContext, args, kwargs):
+    args, kwargs = with_argument(func, args, kwargs, SIZE_ARGUMENT[func], local_output_shape(ctx))
+    return func(*args, **kwargs)
+
+
+def _local_squeeze(func, ctx: KernelContext, args, kwargs):
+    # A split dim of logical size > 1 may have a local size of 1: squeeze only the logical size-1 dims.
+    bound = dict(zip([a.name for a in func._schema.arguments], args), **kwargs)
+    return aten.squeeze.dims(args[0], squeezed_dims(func, ctx.inputs[0].shape, bound))
+
+
+def _reshape(func, ctx: KernelContext, args, kwargs):
+    return args[0].reshape(local_output_shape(ctx))
+
+
+KERNELS = {"local_size": _local_size, "squeeze": _local_squeeze, "reshape": _reshape}
+
+
+def _one_input(call: OpCall, kept: dict[int, int], kernel: str | None) -> list[Signature]:
+    n_out = len(call.outputs)
+    splits = [Signature((S(d),), (S(e),) * n_out, kernel) for d, e in kept.items()]
+    return splits + pass_through(1, n_out, kernel)
+
+
+@register(*SINGLE_INPUT_VIEWS, kernels=KERNELS)
+def single_input_view(call: OpCall) -> list[Signature]:
+    kept, kernel = SINGLE_INPUT_VIEWS[call.func]
+    return _one_input(call, kept(call), kernel)
+
+
+@register(*VIEWS, check_nd=_exact_view_splits, kernels=KERNELS)
+def view(call: OpCall) -> list[Signature]:
+    return _one_input(call, _view(call), "reshape")
+
+
+@register(aten.cat.default)
+def cat(call: OpCall) -> list[Signature]:
+    n, k = call.outputs[0].ndim, len(call.inputs)
+    if any(x.ndim != n for x in call.inputs):  # legacy: cat skips 1-D empty inputs of any other rank
+        return pass_through(k, 1)
+    dim = _norm(call.arg("dim", 0), n)
+    return [Signature((S(d),) * k, (S(d),)) for d in range(n) if d != dim] + pass_through(k, 1)
+
+
+@register(aten.stack.default)
+def stack(call: OpCall) -> list[Signature]:
+    n, k = call.inputs[0].ndim, len(call.inputs)
+    dim = call.arg("dim", 0) % (n + 1)
+    return [Signature((S(d),) * k, (S(d + (d >= dim)),)) for d in range(n)] + pass_through(k, 1)

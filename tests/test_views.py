@@ -1,0 +1,116 @@
+"""View and shape ops (``_signatures/views.py``) against plain torch, forward and backward.
+
+Each case names the output SBP the rule must give (the fallback would give broadcast), and runs in strict
+mode, backward included: the backward ops (``select_backward``, ``slice_backward``, ``cat``, ...) have
+rules too. Shapes are uneven on 2 and 3 ranks; the exact-split cases of ``view`` use sizes divisible by the
+number of parts.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+import pytest
+import torch
+
+import sbp_torch as st
+from op_check import check_op
+from sbp_torch._signatures.views import view_blocks
+from sbp_torch.sbp import broadcast as B
+from sbp_torch.sbp import partial_max, partial_sum
+from sbp_torch.sbp import split as S
+from strict_check import strict
+from world import run_on_world
+
+
+def _x(*shape, seed=0):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def cases_1d(n: int) -> list:
+    """(name, fn, inputs, SBP per input, expected output SBP or None) on a 1-D placement of ``n`` ranks."""
+    x, m, one = _x(5, 7, 3), _x(5, 7, seed=1), _x(5, 1, 3, seed=2)
+    even = _x(6, 4, 5, seed=3)
+    rows = _x(5, 12, seed=4)
+    small = _x(n, 4, seed=5)  # one row per rank: a split dim whose local size is 1
+    return [
+        ("t", lambda a: a.t(), [m], [S(0)], S(1)),
+        ("t partial", lambda a: a.t(), [m], [partial_sum], partial_sum),
+        ("transpose", lambda a: a.transpose(0, 2), [x], [S(0)], S(2)),
+        ("mT", lambda a: a.mT, [x], [S(1)], S(2)),
+        ("permute", lambda a: a.permute(2, 0, 1), [x], [S(0)], S(1)),
+        ("movedim", lambda a: a.movedim(0, -1), [x], [S(1)], S(0)),
+        ("unsqueeze", lambda a: a.unsqueeze(1), [x], [S(1)], S(2)),
+        ("squeeze", lambda a: a.squeeze(), [one], [S(2)], S(1)),
+        ("squeeze dim", lambda a: a.squeeze(1), [one], [S(0)], S(0)),
+        ("squeeze local size 1", lambda a: a.squeeze(), [small], [S(0)], S(0)),
+        ("squeeze dim local size 1", lambda a: a.squeeze(0), [small], [S(0)], S(0)),
+        ("expand", lambda a: a.expand(2, 5, 4, 3), [one], [S(0)], S(1)),
+        ("expand partial", lambda a: a.expand(5, 4, 3), [one], [partial_max], partial_max),
+        ("slice", lambda a: a[:, 1:5], [x], [S(0)], S(0)),
+        ("slice step", lambda a: a[1:5:2], [x], [S(2)], S(2)),
+        ("whole slice", lambda a: a[:, :], [x], [S(1)], S(1)),
+        ("narrow", lambda a: a.narrow(1, 2, 3), [x], [S(2)], S(2)),
+        ("select", lambda a: a[:, 2], [x], [S(2)], S(1)),
+        ("select partial", lambda a: a[3], [x], [partial_sum], partial_sum),
+        ("split", lambda a: a.split(3, dim=1), [x], [S(0)], S(0)),
+        ("split_with_sizes", lambda a: a.split([2, 5], dim=1), [x], [S(2)], S(2)),
+        ("chunk", lambda a: a.chunk(2, dim=2), [x], [S(1)], S(1)),
+        ("unbind", lambda a: a.unbind(1), [x], [S(2)], S(1)),
+        ("cat", lambda a, b: torch.cat([a, b], 1), [x, x.flip(1)[:, :4]], [S(0), S(0)], S(0)),
+        ("cat partial", lambda a, b: torch.cat([a, b]), [m, m], [partial_sum, partial_sum], partial_sum),
+        ("stack", lambda a, b: torch.stack([a, b], 1), [x, x + 1], [S(1), S(1)], S(2)),
+        ("flip", lambda a: a.flip(1), [x], [S(0)], S(0)),
+        ("roll", lambda a: a.roll(2, 1), [x], [S(2)], S(2)),
+        ("rot90", lambda a: a.rot90(1, (0, 2)), [x], [S(1)], S(1)),
+        ("narrow_copy", lambda a: a.narrow_copy(1, 2, 3), [x], [S(0)], S(0)),
+        ("repeat", lambda a: a.repeat(2, 1, 2, 1), [x], [S(0)], S(1)),
+        ("unfold", lambda a: a.unfold(1, 3, 2), [x], [S(0)], S(0)),
+        ("view unchanged uneven", lambda a: a.view(5, 21), [x], [S(0)], S(0)),
+        ("view split unchanged dim", lambda a: a.view(5, 4, 3), [rows], [S(0)], S(0)),
+        ("view merge exact", lambda a: a.view(24, 5), [even], [S(0)], S(0)),
+        ("view split exact", lambda a: a.view(6, 2, 2, 5), [even], [S(1)], S(1) if 4 % n == 0 else None),
+        ("flatten", lambda a: a.flatten(1), [x], [S(0)], S(0)),
+        ("reshape of transpose", lambda a: a.t().reshape(-1), [even[:, :, 0]], [S(1)], S(0) if 4 % n == 0 else None),
+        ("view partial", lambda a: a.view(35, 3), [x], [partial_sum], partial_sum),
+        ("view merge uneven", lambda a: a.view(35, 3), [x], [S(0)], None),
+    ]
+
+
+def cases_mesh() -> list:
+    """(name, fn, inputs, SBPs per input, expected output SBPs or None) on a 2x2 mesh."""
+    x, big = _x(5, 7, 3), _x(12, 4, 5, seed=1)
+    return [
+        ("permute", lambda a: a.permute(2, 0, 1), [x], [(S(0), S(1))], (S(1), S(2))),
+        ("nested splits", lambda a: a.transpose(0, 1), [x], [(S(0), S(0))], (S(1), S(1))),
+        ("select", lambda a: a[:, 1], [x], [(S(2), partial_sum)], (S(1), partial_sum)),
+        ("split", lambda a: a.split(2, dim=2), [x], [(S(1), S(0))], (S(1), S(0))),
+        ("cat", lambda a, b: torch.cat([a, b], 2), [x, x], [(S(0), B), (S(0), B)], (S(0), B)),
+        ("view merge exact nested", lambda a: a.view(48, 5), [big], [(S(0), S(0))], (S(0), S(0))),
+        ("view two blocks", lambda a: a.view(6, 2, 20), [big], [(S(0), S(1))], (S(0), S(2))),
+        ("view merge inexact", lambda a: a.view(12, 20), [_x(6, 8, 5, seed=2)], [(S(1), S(0))], None),
+        ("expand", lambda a: a.unsqueeze(0).expand(3, 5, 7, 3), [x], [(S(2), S(0))], (S(3), S(1))),
+    ]
+
+
+def views_body(ranks):
+    p = st.placement("cpu", ranks)
+    cases = cases_mesh() if isinstance(ranks[0], list) else cases_1d(len(ranks))
+    for name, fn, inputs, sbps, expect in cases:
+        expect = expect if expect is None or isinstance(expect, tuple) else (expect,)
+        try:
+            strict(partial(check_op, expect_sbp=expect))(fn, inputs, p, sbps)
+        except Exception as err:
+            raise AssertionError(f"case {name!r}: {err}") from err
+    return True
+
+
+@pytest.mark.parametrize("ranks", [[0, 1], [0, 1, 2], [[0, 1], [2, 3]]], ids=["2", "3", "2x2"])
+def test_views_match_torch(ranks):
+    assert all(run_on_world(4 if isinstance(ranks[0], list) else len(ranks), views_body, ranks))
+
+
+def test_view_blocks():
+    assert view_blocks((6, 4, 5), (24, 5)) == [([0, 1], [0]), ([2], [1])]
+    assert view_blocks((6, 1, 4), (2, 3, 4)) == [([0], [0, 1]), ([2], [2])]
+    assert view_blocks((6, 4), (4, 6)) == [([0, 1], [0, 1])]
+    assert view_blocks((1, 5), (5, 1)) == [([1], [0])]
