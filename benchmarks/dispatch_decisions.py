@@ -40,8 +40,8 @@ def _timed(fn, repeats=REPEATS) -> dict:
 
 
 def _cases(ndim: int):
-    """(name, aten op, args builder(layout_fn), SBPs per tensor arg as (sbp_torch, dtensor) names)."""
-    s0, s1, b, p = ("S0",) * ndim, ("S1",) * ndim, ("B",) * ndim, ("P",) * ndim
+    """(name, aten op, shapes of the tensor args, layout names per tensor arg, extra args)."""
+    s0, s1, b = ("S0",) * ndim, ("S1",) * ndim, ("B",) * ndim
     if ndim == 2:
         s0, s1 = ("S0", "B"), ("B", "S1")
     return [

@@ -82,6 +82,9 @@ def _run_decision(func, args, kwargs, decision: Decision, placement):
     local_args, local_kwargs = tree_unflatten(local_leaves, spec)
     written = written_globals(func, args, kwargs)
     if not member:
+        if decision.rule.outside is not None:
+            context = KernelContext(placement, [], list(decision.outputs), decision.kernel_axes)
+            decision.rule.outside(func, context, _bound_with_defaults(func, args, kwargs))
         if written:
             return written[0] if len(written) == 1 else tuple(written)
         return _wrap_empty(decision, placement)

@@ -17,7 +17,7 @@ calls (latency) but do not overlap with the rest of backward.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import torch
 from torch import nn

@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_flatten
 
-import sbp_torch as st
 from sbp_torch.sbp import broadcast
 
 

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st_
 
 import sbp_torch as st
-from reference import assemble, coords, random_parts
+from reference import assemble, random_parts
 from sbp_torch._layout import GlobalMeta, normalize_sbp
 from sbp_torch.sbp import broadcast, partial_max, partial_min, partial_sum, split
 from world import run_on_world

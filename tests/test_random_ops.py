@@ -126,10 +126,6 @@ def outside_body():
     return torch.rand(3)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="dispatch runs kernels on the placement's ranks only, so rank 2 does not advance its generator",
-)
 def test_ranks_outside_the_placement_advance_their_generator():
     draws = run_on_world(3, outside_body)
     assert all(torch.equal(d, draws[0]) for d in draws)

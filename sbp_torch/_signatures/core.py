@@ -97,17 +97,20 @@ class Rule:
     signatures: Callable[[OpCall], list[Signature]]
     check_nd: Callable[[OpCall, tuple[Signature, ...]], bool] | None = None
     kernels: dict = field(default_factory=dict)
+    # Run on ranks outside the placement instead of the op, as (func, ctx, arguments by name): for effects
+    # every rank must share, like advancing the random generator.
+    outside: Callable | None = None
 
 
 RULES: dict = {}
 _FAMILY_RULES: list[tuple[Callable, Rule]] = []
 
 
-def register(*ops, check_nd=None, kernels=None):
+def register(*ops, check_nd=None, kernels=None, outside=None):
     """Decorator: the decorated function gives the 1-D signatures of ``ops`` (aten overloads or packets)."""
 
     def add(fn):
-        rule = Rule(fn, check_nd, kernels or {})
+        rule = Rule(fn, check_nd, kernels or {}, outside)
         for op in ops:
             for overload in _overloads(op):
                 RULES[overload] = rule
@@ -143,7 +146,3 @@ def rule_for(func) -> Rule | None:
             return family_rule
     return None
 
-
-def splits_of(sig_inputs, index: int) -> int | None:
-    s = sig_inputs[index]
-    return s.dim if isinstance(s, Split) else None

@@ -99,17 +99,30 @@ def _random(func, ctx: KernelContext, args, kwargs):
 KERNELS = {"random": _random}
 
 
+def _advance_outside(func, ctx: KernelContext, a: dict) -> None:
+    """On a rank outside the placement: advance the generator by the draws the kernel makes inside it."""
+    if func == aten.native_dropout.default:
+        if a["train"] is False:
+            return
+        kind, meta = "uniform", ctx.outputs[1]
+        meta = GlobalMeta(meta.shape, a["input"].dtype, ctx.placement, meta.sbp)
+    else:
+        kind, meta = DRAWS[func][0], ctx.outputs[0]
+    dtype = meta.dtype if meta.dtype.is_floating_point else torch.get_default_dtype()
+    random_region(kind, GlobalMeta(meta.shape, dtype, ctx.placement, meta.sbp), None, None, ctx.placement.device())
+
+
 def _uses_own_generator(call: OpCall) -> bool:
     return call.arg("generator") is not None
 
 
-@register(aten.rand_like.default, aten.randn_like.default, aten.bernoulli.p, kernels=KERNELS)
+@register(aten.rand_like.default, aten.randn_like.default, aten.bernoulli.p, kernels=KERNELS, outside=_advance_outside)
 def fresh(call: OpCall) -> list[Signature]:
     """The input gives only the shape: its splits are kept, broadcast and partial inputs give B."""
     return [] if _uses_own_generator(call) else like_input(call, "random")
 
 
-@register(aten.bernoulli.default, kernels=KERNELS)
+@register(aten.bernoulli.default, kernels=KERNELS, outside=_advance_outside)
 def bernoulli(call: OpCall) -> list[Signature]:
     """The input holds the probabilities: split or broadcast (a partial probability is no probability)."""
     if _uses_own_generator(call):
@@ -119,7 +132,7 @@ def bernoulli(call: OpCall) -> list[Signature]:
     ]
 
 
-@register(*IN_PLACE, kernels=KERNELS)
+@register(*IN_PLACE, kernels=KERNELS, outside=_advance_outside)
 def fill_random(call: OpCall) -> list[Signature]:
     """In place: the tensor keeps its layout (partial too); a tensor ``p`` of ``bernoulli_`` broadcasts."""
     if _uses_own_generator(call):
@@ -132,7 +145,7 @@ def fill_random(call: OpCall) -> list[Signature]:
     return signatures + [Signature((s,) + (B,) * len(operands), (s,), "random") for s in (B, *PARTIALS)]
 
 
-@register(aten.native_dropout.default, kernels=KERNELS)
+@register(aten.native_dropout.default, kernels=KERNELS, outside=_advance_outside)
 def native_dropout(call: OpCall) -> list[Signature]:
     """(output, mask): the output is linear in the input, so a partial input gives a partial output and a
     broadcast mask."""
