@@ -25,7 +25,7 @@ from ._global_tensor import GlobalTensor
 from ._layout import GlobalMeta
 from ._sbp import Broadcast
 from ._select import Decision, NoSignature, decide, global_inputs, written_globals
-from ._signatures.core import KernelContext
+from ._signatures.core import KernelContext, bind
 from ._signatures.foreach import is_foreach, split_foreach_call
 
 aten = torch.ops.aten
@@ -84,7 +84,7 @@ def _run_decision(func, args, kwargs, decision: Decision, placement):
     if not member:
         if decision.rule.outside is not None:
             context = KernelContext(placement, [], list(decision.outputs), decision.kernel_axes)
-            decision.rule.outside(func, context, _bound_with_defaults(func, args, kwargs))
+            decision.rule.outside(func, context, bind(func, args, kwargs))
         if written:
             return written[0] if len(written) == 1 else tuple(written)
         return _wrap_empty(decision, placement)
@@ -96,23 +96,10 @@ def _run_decision(func, args, kwargs, decision: Decision, placement):
             [g._meta.with_sbp(t) for g, t in zip(inputs, decision.input_sbps)],
             list(decision.outputs),
             decision.kernel_axes,
-            _bound_with_defaults(func, local_args, local_kwargs),
+            bind(func, local_args, local_kwargs),
         )
         out = decision.rule.kernels[decision.kernel](func, context, local_args, local_kwargs)
     return _wrap(func, out, decision, written, local_args, local_kwargs, args, kwargs)
-
-
-def _bound_with_defaults(func, args, kwargs) -> dict:
-    """Schema argument name -> value (local tensors), defaults filled in, for kernels."""
-    bound = {}
-    for i, a in enumerate(func._schema.arguments):
-        if i < len(args):
-            bound[a.name] = args[i]
-        elif a.name in kwargs:
-            bound[a.name] = kwargs[a.name]
-        elif a.has_default_value():
-            bound[a.name] = a.default_value
-    return bound
 
 
 def _wrap(func, out, decision: Decision, written, local_args, local_kwargs, args, kwargs):

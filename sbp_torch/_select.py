@@ -23,7 +23,7 @@ from ._global_tensor import GlobalTensor
 from ._layout import GlobalMeta
 from ._sbp import Partial, Split, check_partial_dtype
 from ._signatures import rule_for
-from ._signatures.core import OpCall, Rule, Signature, TensorInfo
+from ._signatures.core import OpCall, Rule, Signature, TensorInfo, bind
 
 
 @dataclass(frozen=True)
@@ -63,16 +63,6 @@ def written_arguments(func) -> list[tuple[int, str, bool]]:
         for i, a in enumerate(func._schema.arguments)
         if a.alias_info is not None and a.alias_info.is_write
     ]
-
-
-def _bound(func, args, kwargs) -> dict:
-    bound = {}
-    for i, a in enumerate(func._schema.arguments):
-        if i < len(args):
-            bound[a.name] = args[i]
-        elif a.name in kwargs:
-            bound[a.name] = kwargs[a.name]
-    return bound
 
 
 def _key_of(value, is_scalar: bool):
@@ -123,7 +113,7 @@ def global_inputs(func, args, kwargs) -> list[GlobalTensor]:
 
 
 def out_arguments(func, args, kwargs) -> list[GlobalTensor]:
-    bound = _bound(func, args, kwargs)
+    bound = bind(func, args, kwargs)
     leaves, _ = tree_flatten([bound.get(name) for _, name, is_out in written_arguments(func) if is_out])
     return [v for v in leaves if isinstance(v, GlobalTensor)]
 
@@ -193,7 +183,7 @@ def _make_decision(func, args, kwargs) -> Decision:
     outs = out_arguments(func, args, kwargs)
     placement = (inputs or outs)[0].placement
     outputs = _meta_outputs(func, args, kwargs)
-    bound = tree_map(lambda v: TensorInfo(tuple(v.shape), v.dtype) if isinstance(v, GlobalTensor) else v, _bound(func, args, kwargs))
+    bound = tree_map(lambda v: TensorInfo(tuple(v.shape), v.dtype) if isinstance(v, GlobalTensor) else v, bind(func, args, kwargs))
     call = OpCall(func, [TensorInfo(tuple(g.shape), g.dtype) for g in inputs], outputs, bound, placement.shape)
     one_d = [s for s in rule.signatures(call) if _valid_1d(s, inputs, outputs)]
     written_inputs = [i for i, g in enumerate(inputs) if any(g is w for w in written_globals(func, args, kwargs))]
@@ -227,7 +217,7 @@ def _make_decision(func, args, kwargs) -> Decision:
 def _outputs_aliasing_inputs(func, args, kwargs, inputs: list[GlobalTensor]) -> list[tuple[int, int]]:
     """(output index, input index) for each tensor output that the schema says is a written input (the
     ``self`` that ``add_`` returns), which must keep that input's layout."""
-    bound = _bound(func, args, kwargs)
+    bound = bind(func, args, kwargs)
     by_alias = {}
     for a in func._schema.arguments:
         if a.alias_info is not None and a.alias_info.is_write and isinstance(bound.get(a.name), GlobalTensor):
@@ -244,6 +234,6 @@ def _outputs_aliasing_inputs(func, args, kwargs, inputs: list[GlobalTensor]) -> 
 
 def written_globals(func, args, kwargs) -> list[GlobalTensor]:
     """The global tensors the op writes into (self of in-place ops, ``out=`` tensors)."""
-    bound = _bound(func, args, kwargs)
+    bound = bind(func, args, kwargs)
     leaves, _ = tree_flatten([bound.get(name) for _, name, _ in written_arguments(func)])
     return [v for v in leaves if isinstance(v, GlobalTensor)]

@@ -136,6 +136,19 @@ def _overloads(op) -> list:
     return [op]
 
 
+def bind(func, args, kwargs) -> dict:
+    """The call's arguments by schema name, defaults filled in."""
+    bound = {}
+    for i, a in enumerate(func._schema.arguments):
+        if i < len(args):
+            bound[a.name] = args[i]
+        elif a.name in kwargs:
+            bound[a.name] = kwargs[a.name]
+        elif a.has_default_value():
+            bound[a.name] = a.default_value
+    return bound
+
+
 def rule_for(func) -> Rule | None:
     rule = RULES.get(func)
     if rule is not None:

@@ -27,7 +27,7 @@ from .._boxing.run import run_plan
 from .._layout import GlobalMeta
 from .._random import random_region
 from .._sbp import Partial
-from .core import B, KernelContext, OpCall, S, Signature, register
+from .core import B, KernelContext, OpCall, S, Signature, bind, register
 from .factory import like_input
 from .pointwise import operand_sbp
 from .views import PARTIALS
@@ -46,19 +46,6 @@ DRAWS = {
     aten.uniform_.default: ("uniform", lambda u, a: u * (a["to"] - a["from"]) + a["from"]),
 }
 IN_PLACE = {aten.bernoulli_.float, aten.bernoulli_.Tensor, aten.normal_.default, aten.uniform_.default}
-
-
-def _arguments(func, args, kwargs) -> dict:
-    """The op's arguments by schema name, defaults filled in."""
-    out = {}
-    for i, a in enumerate(func._schema.arguments):
-        if i < len(args):
-            out[a.name] = args[i]
-        elif a.name in kwargs:
-            out[a.name] = kwargs[a.name]
-        elif a.has_default_value():
-            out[a.name] = a.default_value
-    return out
 
 
 def _without_partials(meta: GlobalMeta) -> GlobalMeta:
@@ -86,7 +73,7 @@ def _dropout(ctx: KernelContext, a: dict):
 
 
 def _random(func, ctx: KernelContext, args, kwargs):
-    a = _arguments(func, args, kwargs)
+    a = bind(func, args, kwargs)
     if func == aten.native_dropout.default:
         return _dropout(ctx, a)
     kind, result = DRAWS[func]
