@@ -96,8 +96,19 @@ def _process_group(ranks: tuple[int, ...]):
         elif key == tuple(range(dist.get_world_size())):
             _groups_by_ranks[key] = dist.group.WORLD
         else:
-            _groups_by_ranks[key] = dist.new_group(list(key))  # every rank enters, members or not
+            # every rank enters, members or not
+            _groups_by_ranks[key] = dist.new_group(list(key), timeout=_world_timeout())
     return _groups_by_ranks[key]
+
+
+def _world_timeout():
+    """The collective timeout the user gave ``init_process_group``: a new group would otherwise get the
+    backend's default (30 minutes for gloo), and a stuck axis collective would wait that long."""
+    world = dist.group.WORLD
+    try:
+        return world._get_backend(world._device_types[0]).options._timeout
+    except (AttributeError, IndexError, RuntimeError):  # private API: fall back to the backend default
+        return None
 
 
 def ensure_groups(p: Placement) -> None:

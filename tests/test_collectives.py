@@ -41,3 +41,19 @@ def test_uneven_gather_follows_placement_order_not_rank_order():
     want = torch.cat([torch.full((n, 2), float(i)) for i, n in enumerate(sizes)])
     for got in run_on_world(3, gather_in_placement_order, ranks, sizes):
         assert torch.equal(got, want)
+
+
+def axis_group_timeout():
+    from sbp_torch._process_groups import _process_group
+
+    group = _process_group((0, 1))  # a strict subset of the 3-rank world: a new group
+    if dist.get_rank() == 2:
+        return None
+    return group._get_backend(torch.device("cpu")).options._timeout
+
+
+def test_axis_groups_inherit_the_world_timeout():
+    """A stuck axis collective fails after the user's timeout, not gloo's 30-minute default."""
+    from world import PG_TIMEOUT
+
+    assert run_on_world(3, axis_group_timeout)[:2] == [PG_TIMEOUT, PG_TIMEOUT]
