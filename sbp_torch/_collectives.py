@@ -24,13 +24,32 @@ class CollectiveError(RuntimeError):
     """A collective failed or timed out; the message names the collective, the ranks and the tensor."""
 
 
+# dtypes gloo cannot carry, each sent as a wider dtype that holds all its values exactly (so sums, maxima and
+# minima are those of the narrow values; a narrowing cast back wraps integer sums as the narrow type would).
+_WIDER_ON_WIRE = {
+    torch.int16: torch.int32,
+    torch.uint16: torch.int32,
+    torch.uint32: torch.int64,
+    **{
+        getattr(torch, name): torch.float32
+        for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+        if hasattr(torch, name)
+    },
+}
+
+
 def _on_wire(x: torch.Tensor) -> torch.Tensor:
-    """A view of ``x`` that every backend can send and reduce: bools as bytes (max/min stay or/and),
-    complex numbers as pairs of reals."""
+    """``x`` in a dtype every backend can send and reduce: bools as bytes (max/min stay or/and), complex
+    numbers as pairs of reals, uint64 as int64 bits (sums wrap alike; max/min are refused), narrow types
+    gloo lacks widened."""
     if x.dtype == torch.bool:
         return x.view(torch.uint8)
     if x.is_complex():
         return torch.view_as_real(x)
+    if x.dtype == torch.uint64:
+        return x.view(torch.int64)
+    if x.dtype in _WIDER_ON_WIRE:
+        return x.to(_WIDER_ON_WIRE[x.dtype])
     return x
 
 
@@ -39,6 +58,10 @@ def _off_wire(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return x.view(torch.bool)
     if dtype.is_complex:
         return torch.view_as_complex(x.contiguous())
+    if dtype == torch.uint64:
+        return x.view(torch.uint64)
+    if dtype in _WIDER_ON_WIRE:
+        return x.to(dtype)
     return x
 
 
@@ -149,6 +172,8 @@ def _keeping_dtype(impl):
         group = args[-1]
         if group.size == 1:  # one part is the whole: nothing to exchange (and no process group to use)
             return x.clone()
+        if x.dtype == torch.uint64 and any(op in ("max", "min") for op in args if isinstance(op, str)):
+            raise TypeError(f"{impl.__name__.lstrip('_')}: no backend reduces uint64 by max or min")
         return _off_wire(impl(_on_wire(x), *args, **kwargs), x.dtype)
 
     wrapper.__doc__ = impl.__doc__

@@ -113,10 +113,18 @@ def test_boxing_property(case):
     check_boxing(world, ranks, shape, src, dst, dtype, seed)
 
 
-@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool], ids=str)
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.int16, torch.bool], ids=str)
 def test_integer_and_bool_layouts(dtype):
+    """int16 is one of the dtypes gloo cannot carry: it travels widened."""
     sbps = [split(0), broadcast, partial_max, partial_min] + ([partial_sum] if dtype != torch.bool else [])
     for src, dst in itertools.product(sbps, repeat=2):
+        check_boxing(3, [0, 1, 2], (5, 2), src, dst, dtype=dtype, backward=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64], ids=str)
+def test_unsigned_layouts_gloo_lacks(dtype):
+    """torch's barebones unsigned types move between layouts (they have no arithmetic to reduce with)."""
+    for src, dst in itertools.product([split(0), split(1), broadcast], repeat=2):
         check_boxing(3, [0, 1, 2], (5, 2), src, dst, dtype=dtype, backward=False)
 
 

@@ -24,7 +24,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXPECTED_PASS = [
     # pointwise
     "abs", "exp", "sigmoid", "clamp", "where", "nn.functional.relu", "nn.functional.gelu",
-    "add", "mul", "sub", "div.no_rounding_mode", "pow", "maximum",
+    "add", "mul", "sub", "div.no_rounding_mode", "pow", "maximum", "short",
     # reductions
     "sum", "mean", "amax", "argmax", "var", "std", "max.reduction_with_dim", "logsumexp", "norm",
     # matmul
@@ -42,7 +42,6 @@ EXPECTED_FAILURES = {
     "matmul": "1-D @ 2-D runs squeeze_ through the fallback, which leaves the global tensor's shape unchanged",
     "prod": "its backward builds a plain (non-global) tensor and cats it with a global one",
     "__getitem__": "x[[1, 2]]: torch turns the index list into a plain tensor, which cannot meet a global one",
-    "short": "gloo has no int16: boxing an int16 global tensor raises",
 }
 
 # Entries of the lead's own families (pointwise, matmul) that must run part by part, never gathered.
