@@ -123,7 +123,7 @@ def _all_gather(x: torch.Tensor, dim: int, sizes: list[int], group: AxisGroup) -
         )
         flat_parts = _from_group_order(group, list(received.split(recv_counts)))
         parts = [p.view(s, *rows.shape[1:]) for p, s in zip(flat_parts, sizes)]
-    return torch.cat(parts).movedim(0, dim)
+    return torch.cat([p.movedim(0, dim) for p in parts], dim=dim)  # contiguous, as the global stride says
 
 
 def _reduce_scatter(x: torch.Tensor, op: str, dim: int, sizes: list[int], group: AxisGroup) -> torch.Tensor:
@@ -137,7 +137,7 @@ def _reduce_scatter(x: torch.Tensor, op: str, dim: int, sizes: list[int], group:
         x,
         lambda: dist.reduce_scatter(out, parts, _REDUCE_OPS[op], group.process_group),
     )
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()  # as the global stride says
 
 
 def _all_to_all(

@@ -152,8 +152,8 @@ def _fallback(func, args, kwargs, globals_: list[GlobalTensor], why: str):
         if not isinstance(a, GlobalTensor):
             return a
         if id(a) not in full_values:
-            if member:
-                full_values[id(a)] = box_local(a._local, a._meta, replicated)
+            if member:  # contiguous, as the global tensor's strides say: as_strided and friends read them
+                full_values[id(a)] = box_local(a._local, a._meta, replicated).contiguous()
             else:
                 full_values[id(a)] = torch.empty(a.shape, dtype=a.dtype, device="meta")
         return full_values[id(a)]

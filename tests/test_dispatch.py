@@ -372,3 +372,18 @@ def test_fallback_warns_once_per_op():
         want = torch.histc(torch.arange(6.0).reshape(3, 2).repeat(2, 1), bins=4)
         torch.testing.assert_close(first, want)
         torch.testing.assert_close(second, want)
+
+
+def strided_values_body():
+    from op_check import check_op
+
+    p = st.placement("cpu", [0, 1])
+    a = torch.randn(5, 5, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    check_op(torch.linalg.det, [a], p, [split(1)])  # gathered along dim 1, then a fallback op
+    check_op(lambda x: torch.linalg.det(x.t()), [a], p, [broadcast])  # a transposed local part, then fallback
+
+
+def test_fallback_reads_full_values_in_the_strides_torch_sees():
+    """Global tensors report contiguous strides; a gathered value laid out otherwise once made det's
+    backward (which reads strides) return the transposed gradient."""
+    run_on_world(2, strided_values_body)
