@@ -99,3 +99,16 @@ def test_convolution_1d():
 
 def test_convolution_2x2():
     run_on_world(4, convolution_2d)
+
+
+def fewer_channels_than_ranks():
+    """One input channel, one output channel, one sample on three ranks: every split leaves some rank with
+    nothing, so the decision must avoid those splits (an empty channel part once failed on one rank only)."""
+    p = st.placement("cpu", [0, 1, 2])
+    x, w, b = IMAGES[:1, :1], FILTERS[:1, :1], BIAS[:1]
+    for sbps in ([S(1), S(1), B], [B, S(0), S(0)], [S(0), B, B]):
+        check_op(conv2d, [x, w, b], p, sbps)
+
+
+def test_splits_that_leave_a_rank_empty_are_not_chosen():
+    run_on_world(3, fewer_channels_than_ranks)

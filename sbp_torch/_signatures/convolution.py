@@ -11,7 +11,9 @@ For ``convolution(input [N, Cin, ...], weight, bias [Cout]?)`` (weight [Cout, Ci
 
 The convolution is linear in input and weight, so partial sums stay partial; the bias, which must be added
 once, is added only by the rank at coordinate 0 of the axes that make the output partial (kernel
-"bias_once"). A split of a spatial dim needs halos from the neighbours and is left to boxing.
+"bias_once"). A split of a spatial dim needs halos from the neighbours and is left to boxing. Every split must leave each
+rank at least one channel (or sample), checked per N-D signature: torch's convolution mishandles empty
+channel parts, and one rank failing would leave the others waiting in the next collective.
 
 ``convolution_backward(grad_output, input, weight)`` → (grad_input, grad_weight, grad_bias), each only where
 ``output_mask`` asks for it:
@@ -28,7 +30,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .core import B, P, OpCall, S, Signature, register
+from .._sbp import Split
+from .core import B, P, OpCall, S, Signature, register, smallest_part
 
 aten = torch.ops.aten
 
@@ -50,7 +53,16 @@ def _convolve_bias_once(func, ctx, args, kwargs) -> torch.Tensor:
     return out
 
 
-@register(aten.convolution, kernels={BIAS_ONCE: _convolve_bias_once})
+def _every_split_part_nonempty(call: OpCall, combo: tuple[Signature, ...]) -> bool:
+    return all(
+        smallest_part(call, combo, i, sbp.dim) > 0
+        for sig in combo
+        for i, sbp in enumerate(sig.inputs)
+        if isinstance(sbp, Split)
+    )
+
+
+@register(aten.convolution, check_nd=_every_split_part_nonempty, kernels={BIAS_ONCE: _convolve_bias_once})
 def convolution(call: OpCall) -> list[Signature]:
     has_bias = len(call.inputs) == 3
     bias = lambda sbp: (sbp,) if has_bias else ()  # noqa: E731
@@ -69,7 +81,7 @@ def convolution(call: OpCall) -> list[Signature]:
     ]
 
 
-@register(aten.convolution_backward)
+@register(aten.convolution_backward, check_nd=_every_split_part_nonempty)
 def convolution_backward(call: OpCall) -> list[Signature]:
     out_dim, in_dim = _channel_dims(call.arg("transposed", False))
     mask = call.bound["output_mask"]

@@ -78,6 +78,17 @@ class OpCall:
         return default if value is None else value
 
 
+def smallest_part(call: OpCall, combo: tuple, input_index: int, dim: int) -> int:
+    """The extent of ``dim`` in the smallest local part of input ``input_index`` under the N-D signature
+    ``combo`` (balanced splits: floor division per splitting axis)."""
+    extent = call.inputs[input_index].shape[dim]
+    for axis, sig in enumerate(combo):
+        s = sig.inputs[input_index]
+        if isinstance(s, Split) and s.dim == dim:
+            extent //= call.mesh_shape[axis]
+    return extent
+
+
 @dataclass
 class KernelContext:
     """What a kernel knows: the placement, the chosen N-D signature, and which axes carry the kernel's

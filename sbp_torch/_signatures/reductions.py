@@ -31,7 +31,7 @@ from torch.fx.operator_schemas import normalize_function
 from .. import _collectives as coll
 from .._process_groups import axis_group
 from .._sbp import Partial, Split
-from .core import B, P, P_MAX, P_MIN, OpCall, S, Signature, register
+from .core import B, P, P_MAX, P_MIN, OpCall, S, Signature, register, smallest_part
 
 aten = torch.ops.aten
 
@@ -113,12 +113,8 @@ def _needs_nonempty(call: OpCall) -> bool:
 def _every_part_nonempty(call: OpCall, combo: tuple[Signature, ...]) -> bool:
     if not _needs_nonempty(call):
         return True
-    extents = list(call.inputs[0].shape)
-    for axis, sig in enumerate(combo):
-        s = sig.inputs[0]
-        if isinstance(s, Split):
-            extents[s.dim] //= call.mesh_shape[axis]  # the smallest balanced part
-    return all(extents[d] > 0 for d in reduced_dims(call.bound.get("dim"), call.inputs[0].ndim))
+    dims = reduced_dims(call.bound.get("dim"), call.inputs[0].ndim)
+    return all(smallest_part(call, combo, 0, d) > 0 for d in dims)
 
 
 def _mean(func, ctx, args, kwargs) -> torch.Tensor:
