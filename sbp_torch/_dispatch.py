@@ -186,9 +186,37 @@ def _run_foreach(func, args, kwargs):
     return [r[0] for r in results]
 
 
+def _out_of_place(func):
+    """The view op with the same arguments as in-place view ``func`` (``aten.transpose_.default`` →
+    ``aten.transpose.int``), or None."""
+    packet = getattr(aten, func._schema.name.split("::")[1].rstrip("_"), None)
+    signature = [(a.name, str(a.type)) for a in func._schema.arguments]
+    for name in packet.overloads() if packet is not None else ():
+        overload = getattr(packet, name)
+        if [(a.name, str(a.type)) for a in overload._schema.arguments] == signature:
+            return overload
+    return None
+
+
+def _run_inplace_view(func, args, kwargs):
+    """An in-place view op (``squeeze_``, ``transpose_``, ...) changes the shape of ``self`` itself: run its
+    out-of-place view, move the resulting part and metadata into ``self``, and restride the wrapper."""
+    view = _out_of_place(func)
+    self = args[0]
+    if view is None or not isinstance(self, GlobalTensor):
+        raise NotImplementedError(f"sbp_torch: {func} on a global tensor is not supported")
+    result = _dispatch_one(view, args, kwargs)
+    self._local, self._meta = result._local, result._meta
+    with torch._C._DisableTorchDispatch():  # set the wrapper's own sizes; no data to move
+        torch.Tensor.as_strided_(self, result.shape, result.stride())
+    return self
+
+
 def dispatch(func, args, kwargs):
     if is_foreach(func):
         return _run_foreach(func, args, kwargs)
+    if torch.Tag.inplace_view in func.tags:
+        return _run_inplace_view(func, args, kwargs)
     return _dispatch_one(func, args, kwargs)
 
 

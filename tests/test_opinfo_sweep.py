@@ -28,7 +28,7 @@ EXPECTED_PASS = [
     # reductions
     "sum", "mean", "amax", "argmax", "var", "std", "max.reduction_with_dim", "logsumexp", "norm",
     # matmul
-    "mm", "bmm", "addmm", "einsum", "nn.functional.linear",
+    "mm", "bmm", "addmm", "matmul", "einsum", "nn.functional.linear",
     # views
     "view", "reshape", "transpose", "permute", "cat", "stack", "split", "squeeze", "unsqueeze", "expand",
     "flatten", "narrow", "select",
@@ -39,7 +39,6 @@ EXPECTED_PASS = [
 
 # entry -> why it fails today (see docs/coverage.md for the full list)
 EXPECTED_FAILURES = {
-    "matmul": "1-D @ 2-D runs squeeze_ through the fallback, which leaves the global tensor's shape unchanged",
     "prod": "its backward builds a plain (non-global) tensor and cats it with a global one",
     "__getitem__": "x[[1, 2]]: torch turns the index list into a plain tensor, which cannot meet a global one",
 }

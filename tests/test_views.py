@@ -73,6 +73,12 @@ def cases_1d(n: int) -> list:
         ("reshape of transpose", lambda a: a.t().reshape(-1), [even[:, :, 0]], [S(1)], S(0) if 4 % n == 0 else None),
         ("view partial", lambda a: a.view(35, 3), [x], [partial_sum], partial_sum),
         ("view merge uneven", lambda a: a.view(35, 3), [x], [S(0)], None),
+        # in-place views change the tensor's own shape and layout
+        ("squeeze_", lambda a: a.clone().squeeze_(1), [one], [S(2)], S(1)),
+        ("unsqueeze_", lambda a: a.clone().unsqueeze_(0), [x], [S(1)], S(2)),
+        ("transpose_", lambda a: a.clone().transpose_(0, 2), [x], [S(0)], S(2)),
+        ("t_", lambda a: a.clone().t_(), [m], [S(1)], S(0)),
+        ("vector @ matrix", lambda v, a: v @ a, [m[:, 0], m], [B, S(1)], S(0)),  # unsqueeze_ then squeeze_ inside
     ]
 
 
