@@ -45,7 +45,7 @@ def _on_wire(x: torch.Tensor) -> torch.Tensor:
     if x.dtype == torch.bool:
         return x.view(torch.uint8)
     if x.is_complex():
-        return torch.view_as_real(x)
+        return torch.view_as_real(x.resolve_conj())
     if x.dtype == torch.uint64:
         return x.view(torch.int64)
     if x.dtype in _WIDER_ON_WIRE:

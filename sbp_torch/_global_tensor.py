@@ -29,6 +29,12 @@ class GlobalTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, local: torch.Tensor, meta: GlobalMeta, requires_grad: bool = False):
+        # The wrapper never carries a conjugate / negative bit, and inside __torch_dispatch__ torch no longer
+        # honours them on the parts: a lazily conjugated part would be read unconjugated by the next op.
+        if local.is_conj():
+            local = local.resolve_conj()
+        if local.is_neg():
+            local = local.resolve_neg()
         out = torch.Tensor._make_wrapper_subclass(
             cls,
             meta.shape,

@@ -387,3 +387,29 @@ def test_fallback_reads_full_values_in_the_strides_torch_sees():
     """Global tensors report contiguous strides; a gathered value laid out otherwise once made det's
     backward (which reads strides) return the transposed gradient."""
     run_on_world(2, strided_values_body)
+
+
+def conjugate_views_body():
+    from op_check import check_op
+
+    p = st.placement("cpu", [0, 1])
+    gen = torch.Generator().manual_seed(4)
+    a = torch.complex(torch.randn(5, 3, generator=gen), torch.randn(5, 3, generator=gen))
+    cases = [
+        lambda x: x.conj() + 1,
+        lambda x: x.conj().sum(0),
+        lambda x: (x.conj() * x).real,
+        lambda x: x.conj().imag,
+        lambda x: x.mH @ x,
+        lambda x: torch.neg(x)._neg_view() * 2,
+    ]
+    for sbp in (broadcast, split(0), split(1)):
+        for fn in cases:
+            check_op(fn, [a], p, [sbp], backward=False)
+    lazily_conjugated = a.conj().to_global(p, broadcast)  # a local part with the conjugate bit
+    torch.testing.assert_close((lazily_conjugated + 1).full_tensor(), a.conj() + 1)
+
+
+def test_conjugate_and_negative_views_are_applied():
+    """Inside __torch_dispatch__ torch ignores a part's conjugate bit: x.conj() + 1 once added to x."""
+    run_on_world(2, conjugate_views_body)

@@ -31,6 +31,10 @@ EXTRA_POINTWISE = {
     aten.alias.default,
     aten.lift_fresh.default,
     aten.contiguous.default if hasattr(aten, "contiguous") else aten.clone.default,
+    aten._conj.default,  # conj / neg views: their local parts are materialized (see _dispatch._wrap)
+    aten._neg_view.default,
+    aten.resolve_conj.default,
+    aten.resolve_neg.default,
 }
 
 # op -> which partial signatures it has:
@@ -44,6 +48,9 @@ PARTIAL_KINDS = {
     aten.sub_.Tensor: "sum",
     aten.neg.default: "sum",
     aten.neg_.default: "sum",
+    aten._neg_view.default: "sum",
+    aten._conj.default: "sum",
+    aten.conj_physical.default: "sum",
     aten.copy_.default: "sum",
     aten.mul.Tensor: "scale",
     aten.mul_.Tensor: "scale",
