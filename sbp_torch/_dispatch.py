@@ -24,7 +24,7 @@ from ._conversions import box_local
 from ._global_tensor import GlobalTensor
 from ._layout import GlobalMeta
 from ._sbp import Broadcast
-from ._select import Decision, NoSignature, decide, global_inputs, written_globals
+from ._select import Decision, NoSignature, decide, global_inputs, returns_written, written_globals
 from ._signatures.core import KernelContext, bind
 from ._signatures.foreach import is_foreach, split_foreach_call
 
@@ -85,7 +85,7 @@ def _run_decision(func, args, kwargs, decision: Decision, placement):
         if decision.rule.outside is not None:
             context = KernelContext(placement, [], list(decision.outputs), decision.kernel_axes)
             decision.rule.outside(func, context, bind(func, args, kwargs))
-        if written:
+        if written and returns_written(func):
             return written[0] if len(written) == 1 else tuple(written)
         return _wrap_empty(decision, placement)
     if decision.kernel is None:
@@ -163,7 +163,7 @@ def _fallback(func, args, kwargs, globals_: list[GlobalTensor], why: str):
     for g in written:
         if member and full_values[id(g)] is not g._local:
             g._local.copy_(box_local(full_values[id(g)], g._meta.with_sbp(replicated), g.sbp))
-    if written:
+    if written and returns_written(func):
         return written[0] if len(written) == 1 else tuple(written)
 
     def wrap(o):

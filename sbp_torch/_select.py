@@ -232,8 +232,25 @@ def _outputs_aliasing_inputs(func, args, kwargs, inputs: list[GlobalTensor]) -> 
     return pairs
 
 
+# Ops that write arguments their schema does not mark as written, as op -> (flag argument that must be
+# true, written arguments): batch norm updates its running statistics in training.
+UNMARKED_WRITES = {
+    torch.ops.aten.native_batch_norm.default: ("training", ("running_mean", "running_var")),
+}
+
+
 def written_globals(func, args, kwargs) -> list[GlobalTensor]:
-    """The global tensors the op writes into (self of in-place ops, ``out=`` tensors)."""
+    """The global tensors the op writes into (self of in-place ops, ``out=`` tensors, the arguments of
+    ``UNMARKED_WRITES``)."""
     bound = bind(func, args, kwargs)
-    leaves, _ = tree_flatten([bound.get(name) for _, name, _ in written_arguments(func)])
+    names = [name for _, name, _ in written_arguments(func)]
+    if func in UNMARKED_WRITES and bound.get(UNMARKED_WRITES[func][0]):
+        names += UNMARKED_WRITES[func][1]
+    leaves, _ = tree_flatten([bound.get(name) for name in names])
     return [v for v in leaves if isinstance(v, GlobalTensor)]
+
+
+def returns_written(func) -> bool:
+    """Whether the op returns the tensors it writes (in-place and ``out=`` ops), rather than new ones."""
+    returns = func._schema.returns
+    return bool(returns) and all(r.alias_info is not None and r.alias_info.is_write for r in returns)

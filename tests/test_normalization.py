@@ -3,6 +3,8 @@ statistics local, and synchronized batch norm (statistics all-reduced) for batch
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 
@@ -127,3 +129,27 @@ def test_normalization_1d():
 
 def test_normalization_2x2():
     run_on_world(4, normalization_2d)
+
+
+def batch_norm_legit(x, w, b, mean, var):
+    """The schema-annotated variant (what decompositions call): writes the statistics, returns new tensors."""
+    mean, var = mean.detach().clone(), var.detach().clone()
+    out = torch.ops.aten._native_batch_norm_legit(x, w, b, mean, var, True, 0.3, 1e-5)
+    return out[0], mean, var
+
+
+def running_statistics_kept_in_place(n):
+    """Running statistics laid out unlike the rule's signatures must still be updated where they live (a
+    boxed copy of them once took the update and the module's own buffers kept their old values)."""
+    p = st.placement("cpu", list(range(n)))
+    inputs = [IMAGES] + CHANNEL_AFFINE + STATS
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # these layouts take the fallback
+        check_op(batch_norm_running, inputs, p, [S(0), B, B, S(0), S(0)])
+        check_op(batch_norm_running, inputs, p, [S(1), S(0), S(0), B, P])
+        check_op(batch_norm_legit, inputs, p, [S(0), B, B, B, B])
+        check_op(batch_norm_legit, inputs, p, [S(0), B, B, S(0), B])
+
+
+def test_running_statistics_are_updated_in_their_own_layout():
+    run_on_world(2, running_statistics_kept_in_place, 2)
