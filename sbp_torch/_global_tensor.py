@@ -57,7 +57,17 @@ class GlobalTensor(torch.Tensor):
         if _batched_matmul.applies(func, args, kwargs):
             return _batched_matmul.BatchedMatmul.apply(*args)
         with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+            try:
+                return func(*args, **kwargs)
+            except RuntimeError as err:
+                if "data is not allocated" not in str(err):
+                    raise
+                # A C++ composite read the wrapper's own storage, which is empty (tensor_split's index tensor)
+                raise TypeError(
+                    f"{getattr(func, '__name__', func)} reads the values of a global tensor argument directly, "
+                    "which sbp_torch cannot intercept; pass that argument as a Python list or a plain tensor "
+                    "(full_tensor())"
+                ) from err
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):

@@ -413,3 +413,17 @@ def conjugate_views_body():
 def test_conjugate_and_negative_views_are_applied():
     """Inside __torch_dispatch__ torch ignores a part's conjugate bit: x.conj() + 1 once added to x."""
     run_on_world(2, conjugate_views_body)
+
+
+def index_tensor_body():
+    p = st.placement("cpu", [0, 1])
+    x = torch.arange(10.0).to_global(p, broadcast).to_global(sbp=split(0))
+    with pytest.raises(TypeError, match="reads the values of a global tensor argument"):
+        torch.tensor_split(x, torch.tensor([2, 5]).to_global(p, broadcast))
+    return [t.full_tensor() for t in torch.tensor_split(x, [2, 5])]
+
+
+def test_values_read_in_cpp_give_a_clear_error():
+    """tensor_split's C++ reads its index tensor's storage, which a global tensor's wrapper does not have."""
+    for parts in run_on_world(2, index_tensor_body):
+        assert [t.tolist() for t in parts] == [[0.0, 1.0], [2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0, 9.0]]
