@@ -11,7 +11,7 @@ from . import sbp
 from ._boxing.plan import BoxingPlan, BoxingStep, plan_boxing
 from ._collectives import CollectiveError
 from ._conversions import full_tensor, gradient_sbp, to_global, to_local
-from ._dispatch import set_strict
+from ._dispatch import MixedTensorError, implicit_broadcast, set_strict
 from ._factory import arange, empty, full, ones, rand, randn, tensor, zeros
 from ._global_tensor import GlobalTensor
 from ._module import module_to_global
@@ -22,12 +22,14 @@ __all__ = [
     "BoxingStep",
     "CollectiveError",
     "GlobalTensor",
+    "MixedTensorError",
     "arange",
     "boxing_plan",
     "empty",
     "full",
     "full_tensor",
     "gradient_sbp",
+    "implicit_broadcast",
     "module_to_global",
     "ones",
     "placement",

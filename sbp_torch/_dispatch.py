@@ -13,6 +13,7 @@ or an error in strict mode.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 
@@ -49,19 +50,57 @@ def set_strict(strict: bool) -> None:
     _strict[0] = bool(strict)
 
 
+class MixedTensorError(RuntimeError):
+    """A global tensor met a plain tensor with dims. (Not a TypeError: torch turns a TypeError raised for
+    ``a + b`` into Python's generic "unsupported operand" message, which would hide this one.)"""
+
+
 def _check_operands(func, flat: list) -> list[GlobalTensor]:
     globals_ = [a for a in flat if isinstance(a, GlobalTensor)]
     first = globals_[0]
     for g in globals_[1:]:
         if g.placement != first.placement:
             raise ValueError(f"{func}: inputs live on different placements: {first.placement} and {g.placement}")
-    for a in flat:
-        if isinstance(a, torch.Tensor) and not isinstance(a, GlobalTensor) and a.dim() > 0:
-            raise TypeError(
-                f"{func}: cannot mix a global tensor with a plain tensor of shape {tuple(a.shape)}; convert it "
-                "with to_global(placement, sbp) first (0-dim tensors and Python scalars are allowed)"
-            )
+    if not _implicit[0]:
+        for a in flat:
+            if isinstance(a, torch.Tensor) and not isinstance(a, GlobalTensor) and a.dim() > 0:
+                raise MixedTensorError(
+                    f"{func}: cannot mix a global tensor with a plain tensor of shape {tuple(a.shape)}; convert "
+                    "it with to_global(placement, sbp) first (0-dim tensors and Python scalars are allowed), or "
+                    "run under sbp_torch.implicit_broadcast() if it holds the same values on every rank"
+                )
     return globals_
+
+
+_implicit = [False]
+
+
+@contextlib.contextmanager
+def implicit_broadcast():
+    """Within this block a plain tensor meeting a global tensor in an op is taken as that tensor broadcast on
+    its placement, like DTensor's ``implicit_replication``. Only for values equal on every rank (index lists,
+    masks, constants that torch's own formulas build): nothing checks that, and differing values would give
+    silently wrong results. Such a tensor is a constant: it gets no gradient."""
+    previous, _implicit[0] = _implicit[0], True
+    try:
+        yield
+    finally:
+        _implicit[0] = previous
+
+
+def _broadcast_plain_tensors(func, args, kwargs, placement):
+    """``(args, kwargs)`` with every plain tensor with dims made a broadcast global tensor on ``placement``."""
+    member = _is_member(placement)
+
+    def lift(a):
+        if not isinstance(a, torch.Tensor) or isinstance(a, GlobalTensor) or a.dim() == 0:
+            return a
+        if a.requires_grad:
+            raise MixedTensorError(f"{func}: a plain tensor that requires grad cannot be broadcast implicitly")
+        meta = GlobalMeta(tuple(a.shape), a.dtype, placement, (BROADCAST,) * placement.ndim)
+        return GlobalTensor(a if member else a.new_empty(0), meta)
+
+    return tree_map(lift, (args, kwargs))
 
 
 def _is_member(placement) -> bool:
@@ -223,6 +262,8 @@ def dispatch(func, args, kwargs):
 def _dispatch_one(func, args, kwargs):
     flat, _ = tree_flatten((args, kwargs))
     globals_ = _check_operands(func, flat)
+    if _implicit[0]:
+        args, kwargs = _broadcast_plain_tensors(func, args, kwargs, globals_[0].placement)
     if func in VALUE_OPS:
         return _fallback(func, args, kwargs, globals_, "its result is a plain value")
     try:

@@ -423,8 +423,8 @@ BAD_INPUT = [
     ("_bad_box_meta", ValueError, ["different metadata", "rank 1"]),
     ("_bad_duplicate_ranks", ValueError, ["[0]", "more than once"]),
     ("_bad_ranks_outside_world", ValueError, ["[7]", "outside the world"]),
-    ("_bad_mix_plain_tensor", TypeError, ["plain tensor of shape (3,)", "to_global"]),
-    ("_bad_mix_plain_tensor_operator", TypeError, ["GlobalTensor", "Tensor"]),
+    ("_bad_mix_plain_tensor", st.MixedTensorError, ["plain tensor of shape (3,)", "to_global"]),
+    ("_bad_mix_plain_tensor_operator", st.MixedTensorError, ["plain tensor of shape (3,)", "implicit_broadcast"]),
     ("_bad_mix_placements", ValueError, ["different placements", "ranks=[0, 1, 2]", "ranks=[2, 1, 0]"]),
     ("_bad_cross_placement", NotImplementedError, ["cross-placement", "ranks=[2, 1, 0]"]),
 ]

@@ -427,3 +427,25 @@ def test_values_read_in_cpp_give_a_clear_error():
     """tensor_split's C++ reads its index tensor's storage, which a global tensor's wrapper does not have."""
     for parts in run_on_world(2, index_tensor_body):
         assert [t.tolist() for t in parts] == [[0.0, 1.0], [2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0, 9.0]]
+
+
+def implicit_broadcast_body():
+    from op_check import check_op
+
+    p = st.placement("cpu", [0, 1])
+    a = torch.randn(5, 4, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    bias = torch.randn(4, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    with st.implicit_broadcast():
+        for sbp in (broadcast, split(0), split(1)):
+            check_op(lambda x: x[[1, 3]], [a], p, [sbp])  # torch makes the index list a plain tensor
+            check_op(lambda x: torch.cummax(x, 0).values, [a], p, [sbp])  # its backward builds plain zeros
+            check_op(lambda x: x + bias, [a], p, [sbp])
+        with pytest.raises(st.MixedTensorError, match="requires grad"):
+            layout_of_a = a.to_global(p, broadcast)
+            layout_of_a * bias.clone().requires_grad_()
+    with pytest.raises(st.MixedTensorError, match="implicit_broadcast"):
+        a.to_global(p, broadcast) + bias
+
+
+def test_implicit_broadcast_of_plain_tensors():
+    run_on_world(2, implicit_broadcast_body)
