@@ -440,6 +440,7 @@ def implicit_broadcast_body():
             check_op(lambda x: x[[1, 3]], [a], p, [sbp])  # torch makes the index list a plain tensor
             check_op(lambda x: torch.cummax(x, 0).values, [a], p, [sbp])  # its backward builds plain zeros
             check_op(lambda x: x + bias, [a], p, [sbp])
+            check_op(lambda x: x.prod(0), [a], p, [sbp])
         with pytest.raises(st.MixedTensorError, match="requires grad"):
             layout_of_a = a.to_global(p, broadcast)
             layout_of_a * bias.clone().requires_grad_()
