@@ -30,8 +30,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .._sbp import Split
-from .core import B, P, OpCall, S, Signature, register, smallest_part
+from .core import B, P, OpCall, S, Signature, every_split_part_nonempty, register
 
 aten = torch.ops.aten
 
@@ -53,16 +52,7 @@ def _convolve_bias_once(func, ctx, args, kwargs) -> torch.Tensor:
     return out
 
 
-def _every_split_part_nonempty(call: OpCall, combo: tuple[Signature, ...]) -> bool:
-    return all(
-        smallest_part(call, combo, i, sbp.dim) > 0
-        for sig in combo
-        for i, sbp in enumerate(sig.inputs)
-        if isinstance(sbp, Split)
-    )
-
-
-@register(aten.convolution, check_nd=_every_split_part_nonempty, kernels={BIAS_ONCE: _convolve_bias_once})
+@register(aten.convolution, check_nd=every_split_part_nonempty, kernels={BIAS_ONCE: _convolve_bias_once})
 def convolution(call: OpCall) -> list[Signature]:
     has_bias = len(call.inputs) == 3
     bias = lambda sbp: (sbp,) if has_bias else ()  # noqa: E731
@@ -81,7 +71,7 @@ def convolution(call: OpCall) -> list[Signature]:
     ]
 
 
-@register(aten.convolution_backward, check_nd=_every_split_part_nonempty)
+@register(aten.convolution_backward, check_nd=every_split_part_nonempty)
 def convolution_backward(call: OpCall) -> list[Signature]:
     out_dim, in_dim = _channel_dims(call.arg("transposed", False))
     mask = call.bound["output_mask"]

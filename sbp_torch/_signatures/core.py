@@ -89,6 +89,18 @@ def smallest_part(call: OpCall, combo: tuple, input_index: int, dim: int) -> int
     return extent
 
 
+def every_split_part_nonempty(call: OpCall, combo: tuple) -> bool:
+    """A ``check_nd`` for ops whose local kernels fail on empty parts (convolution, batch norm): every split
+    must leave each rank at least one element of the split dim, or one rank would fail alone and leave the
+    others waiting in the next collective."""
+    return all(
+        smallest_part(call, combo, i, sbp.dim) > 0
+        for sig in combo
+        for i, sbp in enumerate(sig.inputs)
+        if isinstance(sbp, Split)
+    )
+
+
 @dataclass
 class KernelContext:
     """What a kernel knows: the placement, the chosen N-D signature, and which axes carry the kernel's

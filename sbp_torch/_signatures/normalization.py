@@ -37,7 +37,7 @@ import torch
 
 from .. import _collectives as coll
 from .._process_groups import axis_group
-from .core import B, P, OpCall, S, Signature, TensorInfo, register
+from .core import B, P, OpCall, S, Signature, TensorInfo, every_split_part_nonempty, register
 
 aten = torch.ops.aten
 
@@ -172,7 +172,7 @@ def _sync_batch_norm_backward(func, ctx, args, kwargs):
     return tuple(g for g, wanted in zip((grad_input, grad_weight, grad_bias), mask) if wanted)
 
 
-@register(aten.native_batch_norm, kernels={SYNC_STATS: _sync_batch_norm, EVALUATION: _evaluation_batch_norm})
+@register(aten.native_batch_norm, check_nd=every_split_part_nonempty, kernels={SYNC_STATS: _sync_batch_norm, EVALUATION: _evaluation_batch_norm})
 def batch_norm(call: OpCall) -> list[Signature]:
     x = call.inputs[0]
     per_channel = _present(call, PER_CHANNEL)
@@ -188,7 +188,7 @@ def batch_norm(call: OpCall) -> list[Signature]:
     return signatures + [Signature((B,) * (1 + len(per_channel)), (B, B, B), kernel=None if training else EVALUATION)]
 
 
-@register(aten.native_batch_norm_backward, kernels={SYNC_STATS: _sync_batch_norm_backward})
+@register(aten.native_batch_norm_backward, check_nd=every_split_part_nonempty, kernels={SYNC_STATS: _sync_batch_norm_backward})
 def batch_norm_backward(call: OpCall) -> list[Signature]:
     x = call.inputs[1]
     n = len(_present(call, PER_CHANNEL))
