@@ -15,5 +15,8 @@ setup(
     packages=find_packages(include=["sbp_torch", "sbp_torch.*"]),
     python_requires=">=3.10",
     install_requires=["torch>=2.11", "numpy"],  # numpy only to keep torch from warning at import
-    extras_require={"test": ["pytest>=7", "hypothesis>=6", "expecttest"]},  # expecttest: imported by torch's OpInfo database
+    extras_require={
+        "test": ["pytest>=7", "hypothesis>=6", "expecttest"],  # expecttest: imported by torch's OpInfo database
+        "bench": ["matplotlib"],
+    },
 )

@@ -1,0 +1,1 @@
+"""Benchmark suites run by ``python -m benchmarks.run`` (see ``benchmarks/harness.py``)."""
