@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from ._global_tensor import GlobalTensor
+
 aten = torch.ops.aten
 
 MATMUL_FUNCS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__}
@@ -20,8 +22,6 @@ MATMUL_FUNCS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__}
 
 def applies(func, args, kwargs) -> bool:
     """Whether the call is a batched matmul this module handles (both global, same batch shape, >= 3-D)."""
-    from ._global_tensor import GlobalTensor
-
     if func not in MATMUL_FUNCS or kwargs or len(args) != 2:
         return False
     a, b = args

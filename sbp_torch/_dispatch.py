@@ -16,18 +16,31 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from ._conversions import box_local
+from . import _global_tensor
 from ._global_tensor import GlobalTensor
 from ._layout import GlobalMeta
 from ._sbp import Broadcast
-from ._select import Decision, NoSignature, decide, global_inputs, returns_written, written_globals
+from ._boxing.plan import plan_boxing
+from ._boxing.run import run_plan
+from ._schema import argument_name, facts
+from ._select import (
+    Decision,
+    NoSignature,
+    argument_key,
+    decide,
+    global_slots,
+    written_globals,
+    written_names,
+)
 from ._signatures.core import KernelContext, bind
-from ._signatures.foreach import is_foreach, split_foreach_call
+from ._signatures.foreach import split_foreach_call
 
 aten = torch.ops.aten
 BROADCAST = Broadcast()
@@ -107,70 +120,118 @@ def _is_member(placement) -> bool:
     return placement.coord_of(dist.get_rank()) is not None
 
 
-def _run_decision(func, args, kwargs, decision: Decision, placement):
-    inputs = global_inputs(func, args, kwargs)
-    member = _is_member(placement)
-    leaves, spec = tree_flatten((args, kwargs))
+@dataclass(frozen=True)
+class CallPlan:
+    """A decision compiled for one call shape (one decision-cache key): where the global tensors sit in the
+    arguments, the boxing plan of each, and what to return. A repeated call runs it without searching,
+    flattening or re-planning anything."""
+
+    decision: Decision
+    slots: tuple  # (position or keyword, index in a list or None) of each global argument
+    plans: tuple  # per slot: the BoxingPlan to run, or None (already laid out, or an out= tensor)
+    written: tuple  # slot numbers of the tensors the op writes into
+    returns_written: bool
+    member: bool  # this rank is in the placement
+    local_shapes: tuple  # this rank's part shape of each output
+    kernel_inputs: tuple  # GlobalMeta of each input in its decided layout (what a kernel is told)
+
+
+def _compile(func, args, kwargs, decision: Decision, placement) -> CallPlan:
+    slots = global_slots(args, kwargs)
+    outs, written = facts(func).outs, written_names(func, args, kwargs)
     targets = iter(decision.input_sbps)
-    local_leaves = []
-    for leaf in leaves:
-        if isinstance(leaf, GlobalTensor):
-            is_input = any(leaf is g for g in inputs)  # else an out= tensor, written in its own layout
-            leaf = box_local(leaf._local, leaf._meta, next(targets)) if is_input else leaf._local
-        local_leaves.append(leaf)
-    local_args, local_kwargs = tree_unflatten(local_leaves, spec)
-    written = written_globals(func, args, kwargs)
-    if not member:
+    plans, kernel_inputs = [], []
+    for (where, _), g in slots:
+        if argument_name(func, where) in outs:
+            plans.append(None)  # written in its own layout
+            continue
+        target = next(targets)
+        plan = plan_boxing(g._meta, target)
+        plans.append(plan if plan.steps else None)
+        kernel_inputs.append(g._meta.with_sbp(target))
+    coord = placement.coord_of(dist.get_rank())
+    return CallPlan(
+        decision,
+        tuple(slot for slot, _ in slots),
+        tuple(plans),
+        tuple(i for i, ((where, _), _) in enumerate(slots) if argument_name(func, where) in written),
+        facts(func).returns_written,
+        coord is not None,
+        tuple(m.local_shape(coord) for m in decision.outputs),
+        tuple(kernel_inputs),
+    )
+
+
+def _local_arguments(plan: CallPlan, args, kwargs):
+    """The call's arguments with each global tensor replaced by its (boxed) local part, and the globals."""
+    local_args, local_kwargs = list(args), dict(kwargs) if kwargs else kwargs
+    copied_lists = set()
+    globals_ = []
+    for (where, index), boxing in zip(plan.slots, plan.plans):
+        holder = local_kwargs if isinstance(where, str) else local_args
+        if index is None:
+            g = holder[where]
+            holder[where] = g._local if boxing is None else run_plan(g._local, boxing)
+        else:
+            if where not in copied_lists:
+                holder[where] = list(holder[where])
+                copied_lists.add(where)
+            g = holder[where][index]
+            holder[where][index] = g._local if boxing is None else run_plan(g._local, boxing)
+        globals_.append(g)
+    return local_args, local_kwargs, globals_
+
+
+def _run(plan: CallPlan, func, args, kwargs):
+    """Box, run the op (or the signature's kernel) on the local parts, wrap the results."""
+    decision = plan.decision
+    local_args, local_kwargs, globals_ = _local_arguments(plan, args, kwargs)
+    written = [globals_[i] for i in plan.written]
+    if not plan.member:
         if decision.rule.outside is not None:
+            placement = globals_[0].placement
             context = KernelContext(placement, [], list(decision.outputs), decision.kernel_axes)
             decision.rule.outside(func, context, bind(func, args, kwargs))
-        if written and returns_written(func):
+        if written and plan.returns_written:
             return written[0] if len(written) == 1 else tuple(written)
-        return _wrap_empty(decision, placement)
+        outs = [GlobalTensor(torch.empty(0, dtype=m.dtype, device=globals_[0].device), m) for m in decision.outputs]
+        return outs[0] if len(outs) == 1 else tuple(outs)
     if decision.kernel is None:
         out = func(*local_args, **local_kwargs)
     else:
         context = KernelContext(
-            placement,
-            [g._meta.with_sbp(t) for g, t in zip(inputs, decision.input_sbps)],
+            globals_[0].placement,
+            list(plan.kernel_inputs),
             list(decision.outputs),
             decision.kernel_axes,
             bind(func, local_args, local_kwargs),
         )
         out = decision.rule.kernels[decision.kernel](func, context, local_args, local_kwargs)
-    return _wrap(func, out, decision, written, local_args, local_kwargs, args, kwargs)
+    if written and plan.returns_written:
+        return written[0] if len(written) == 1 else tuple(written)
+    if out is None:
+        return None
+    if isinstance(out, torch.Tensor):
+        return _wrapped(func, out, plan, 0)
+    results, k = [], 0
+    for o in out:
+        if isinstance(o, torch.Tensor):
+            results.append(_wrapped(func, o, plan, k))
+            k += 1
+        else:
+            results.append(o)
+    return type(out)(results) if isinstance(out, tuple) else results
 
 
-def _wrap(func, out, decision: Decision, written, local_args, local_kwargs, args, kwargs):
-    leaves, spec = tree_flatten(out)
-    written_by_local = {}
-    for g in written:
-        written_by_local[id(g._local)] = g
-    coord = decision.outputs[0].placement.coord_of(dist.get_rank()) if decision.outputs else None
-    metas = iter(decision.outputs)
-    wrapped = []
-    for leaf in leaves:
-        if not isinstance(leaf, torch.Tensor):
-            wrapped.append(leaf)
-            continue
-        meta = next(metas)
-        if id(leaf) in written_by_local:
-            wrapped.append(written_by_local[id(leaf)])
-            continue
-        expected = meta.local_shape(coord)
-        if tuple(leaf.shape) != tuple(expected):
-            raise RuntimeError(
-                f"sbp_torch internal error: {func} with signature {decision.signatures} gave a local part of shape "
-                f"{tuple(leaf.shape)} where the layout {meta} needs {tuple(expected)}"
-            )
-        wrapped.append(GlobalTensor(leaf, meta))
-    return tree_unflatten(wrapped, spec)
-
-
-def _wrap_empty(decision: Decision, placement):
-    device = placement.device()
-    outs = [GlobalTensor(torch.empty(0, dtype=m.dtype, device=device), m) for m in decision.outputs]
-    return outs[0] if len(outs) == 1 else tuple(outs)
+def _wrapped(func, local: torch.Tensor, plan: CallPlan, k: int) -> GlobalTensor:
+    """Output ``k`` as a global tensor, after checking that the local part has the shape its layout says."""
+    if local.shape != plan.local_shapes[k]:
+        meta = plan.decision.outputs[k]
+        raise RuntimeError(
+            f"sbp_torch internal error: {func} with signature {plan.decision.signatures} gave a local part of "
+            f"shape {tuple(local.shape)} where the layout {meta} needs {plan.local_shapes[k]}"
+        )
+    return GlobalTensor(local, plan.decision.outputs[k])
 
 
 def _fallback(func, args, kwargs, globals_: list[GlobalTensor], why: str):
@@ -202,7 +263,7 @@ def _fallback(func, args, kwargs, globals_: list[GlobalTensor], why: str):
     for g in written:
         if member and full_values[id(g)] is not g._local:
             g._local.copy_(box_local(full_values[id(g)], g._meta.with_sbp(replicated), g.sbp))
-    if written and returns_written(func):
+    if written and facts(func).returns_written:
         return written[0] if len(written) == 1 else tuple(written)
 
     def wrap(o):
@@ -252,22 +313,39 @@ def _run_inplace_view(func, args, kwargs):
 
 
 def dispatch(func, args, kwargs):
-    if is_foreach(func):
+    f = facts(func)
+    if f.foreach:
         return _run_foreach(func, args, kwargs)
-    if torch.Tag.inplace_view in func.tags:
+    if f.inplace_view:
         return _run_inplace_view(func, args, kwargs)
     return _dispatch_one(func, args, kwargs)
 
 
+# op -> {argument key: CallPlan}; two levels, so that the op (whose hash is computed in Python) is hashed once
+_plans: dict = {}
+
+
 def _dispatch_one(func, args, kwargs):
+    key = argument_key(func, args, kwargs)
+    plans = _plans.get(func)
+    plan = plans.get(key) if plans is not None else None
+    if plan is not None:  # the steady state of a training loop: no checks, search, flattening or planning
+        return _run(plan, func, args, kwargs)
     flat, _ = tree_flatten((args, kwargs))
     globals_ = _check_operands(func, flat)
     if _implicit[0]:
         args, kwargs = _broadcast_plain_tensors(func, args, kwargs, globals_[0].placement)
+        key = argument_key(func, args, kwargs)
     if func in VALUE_OPS:
         return _fallback(func, args, kwargs, globals_, "its result is a plain value")
     try:
         decision = decide(func, args, kwargs)
     except NoSignature as why:
         return _fallback(func, args, kwargs, globals_, str(why))
-    return _run_decision(func, args, kwargs, decision, globals_[0].placement)
+    plan = _compile(func, args, kwargs, decision, globals_[0].placement)
+    if key is not None:
+        _plans.setdefault(func, {})[key] = plan
+    return _run(plan, func, args, kwargs)
+
+
+_global_tensor.dispatch = dispatch  # route __torch_dispatch__ here (see _global_tensor.py)

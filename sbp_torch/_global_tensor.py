@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ._layout import GlobalMeta
 
 
+@functools.lru_cache(maxsize=4096)
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     strides, step = [], 1
     for n in reversed(shape):
@@ -51,8 +54,6 @@ class GlobalTensor(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         # Everything goes to __torch_dispatch__ below autograd, except batched matmuls, which torch would
         # flatten in a way that loses a split of the heads dim (see _batched_matmul.py).
-        from . import _batched_matmul
-
         kwargs = kwargs or {}
         if _batched_matmul.applies(func, args, kwargs):
             return _batched_matmul.BatchedMatmul.apply(*args)
@@ -71,8 +72,6 @@ class GlobalTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        from ._dispatch import dispatch
-
         return dispatch(func, args, kwargs or {})
 
     @property
@@ -108,3 +107,10 @@ class GlobalTensor(torch.Tensor):
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
         return GlobalTensor(inner["_local"], meta)
+
+
+# The dispatcher, set by ``_dispatch`` when it is imported: it needs this module, so this one cannot import
+# it at the top, and an import inside ``__torch_dispatch__`` would cost on every op.
+dispatch = None
+
+from . import _batched_matmul  # noqa: E402  (it needs GlobalTensor, defined above)

@@ -22,6 +22,7 @@ from ._boxing.plan import plan_boxing
 from ._global_tensor import GlobalTensor
 from ._layout import GlobalMeta
 from ._sbp import Partial, Split, check_partial_dtype
+from ._schema import argument_name, facts
 from ._signatures import rule_for
 from ._signatures.core import OpCall, Rule, Signature, TensorInfo, bind
 
@@ -56,15 +57,6 @@ class NoSignature(Exception):
 _decisions: dict = {}
 
 
-def written_arguments(func) -> list[tuple[int, str, bool]]:
-    """(position, name, is_out) of the schema arguments the op writes into."""
-    return [
-        (i, a.name, a.is_out)
-        for i, a in enumerate(func._schema.arguments)
-        if a.alias_info is not None and a.alias_info.is_write
-    ]
-
-
 def _key_of(value, is_scalar: bool):
     if isinstance(value, GlobalTensor):
         return value._meta
@@ -77,23 +69,12 @@ def _key_of(value, is_scalar: bool):
     return value
 
 
-_scalar_slots: dict = {}
-
-
-def _scalar_slots_of(func) -> tuple[frozenset, frozenset]:
-    """(positions, names) of the schema arguments typed ``Scalar`` (shown as ``number``)."""
-    if func not in _scalar_slots:
-        arguments = func._schema.arguments
-        scalar = [(i, a.name) for i, a in enumerate(arguments) if str(a.type) in ("number", "List[number]")]
-        _scalar_slots[func] = (frozenset(i for i, _ in scalar), frozenset(n for _, n in scalar))
-    return _scalar_slots[func]
-
-
-def cache_key(func, args, kwargs):
-    """A hashable key for the decision, or None when some static argument is unhashable."""
-    positions, names = _scalar_slots_of(func)
+def argument_key(func, args, kwargs):
+    """A hashable key for the call's arguments (the op not included), or None when some static argument is
+    unhashable. Global tensors count by metadata, Scalar-typed numbers by type."""
+    f = facts(func)
+    positions, names = f.scalar_positions, f.scalar_names
     key = (
-        func,
         tuple(_key_of(a, i in positions) for i, a in enumerate(args)),
         tuple((k, _key_of(v, k in names)) for k, v in kwargs.items()),
     )
@@ -104,18 +85,34 @@ def cache_key(func, args, kwargs):
     return key
 
 
+def cache_key(func, args, kwargs):
+    """The decision-cache key: the op and its argument key (None when that is)."""
+    key = argument_key(func, args, kwargs)
+    return None if key is None else (func, key)
+
+
+def global_slots(args, kwargs) -> list[tuple[tuple, GlobalTensor]]:
+    """``((position or keyword, index in a list or None), tensor)`` of every global tensor argument, in
+    argument order (aten arguments nest at most one list deep)."""
+    found = []
+    for where, value in itertools.chain(enumerate(args), kwargs.items()):
+        if isinstance(value, GlobalTensor):
+            found.append(((where, None), value))
+        elif isinstance(value, (list, tuple)):
+            found.extend(((where, i), v) for i, v in enumerate(value) if isinstance(v, GlobalTensor))
+    return found
+
+
 def global_inputs(func, args, kwargs) -> list[GlobalTensor]:
-    """The global tensors the op reads, in ``tree_flatten((args, kwargs))`` order (``out=`` tensors
-    excluded). A tensor passed twice appears twice: each occurrence gets its own layout."""
-    outs = out_arguments(func, args, kwargs)
-    leaves, _ = tree_flatten((args, kwargs))
-    return [v for v in leaves if isinstance(v, GlobalTensor) and not any(v is o for o in outs)]
+    """The global tensors the op reads, in argument order (``out=`` tensors excluded). A tensor passed twice
+    appears twice: each occurrence gets its own layout."""
+    outs = facts(func).outs
+    return [g for (where, _), g in global_slots(args, kwargs) if argument_name(func, where) not in outs]
 
 
 def out_arguments(func, args, kwargs) -> list[GlobalTensor]:
-    bound = bind(func, args, kwargs)
-    leaves, _ = tree_flatten([bound.get(name) for _, name, is_out in written_arguments(func) if is_out])
-    return [v for v in leaves if isinstance(v, GlobalTensor)]
+    outs = facts(func).outs
+    return [g for (where, _), g in global_slots(args, kwargs) if argument_name(func, where) in outs]
 
 
 def _on_meta(value):
@@ -168,10 +165,16 @@ def decide(func, args, kwargs) -> Decision:
     """The cached or freshly made decision for this call; raises NoSignature for the fallback."""
     key = cache_key(func, args, kwargs)
     if key is not None and key in _decisions:
-        return _decisions[key]
-    decision = _make_decision(func, args, kwargs)
-    if key is not None:
-        _decisions[key] = decision
+        decision = _decisions[key]
+    else:
+        try:
+            decision = _make_decision(func, args, kwargs)
+        except NoSignature as why:  # remembered too: a fallback op must not re-run its meta kernel each call
+            decision = str(why)
+        if key is not None:
+            _decisions[key] = decision
+    if isinstance(decision, str):
+        raise NoSignature(decision)
     return decision
 
 
@@ -232,25 +235,16 @@ def _outputs_aliasing_inputs(func, args, kwargs, inputs: list[GlobalTensor]) -> 
     return pairs
 
 
-# Ops that write arguments their schema does not mark as written, as op -> (flag argument that must be
-# true, written arguments): batch norm updates its running statistics in training.
-UNMARKED_WRITES = {
-    torch.ops.aten.native_batch_norm.default: ("training", ("running_mean", "running_var")),
-}
+def written_names(func, args, kwargs) -> frozenset:
+    """Names of the arguments this call writes into: the schema's, and ``UNMARKED_WRITES`` when its flag is on."""
+    f = facts(func)
+    if f.unmarked is not None and bind(func, args, kwargs).get(f.unmarked[0]):
+        return f.written | frozenset(f.unmarked[1])
+    return f.written
 
 
 def written_globals(func, args, kwargs) -> list[GlobalTensor]:
-    """The global tensors the op writes into (self of in-place ops, ``out=`` tensors, the arguments of
-    ``UNMARKED_WRITES``)."""
-    bound = bind(func, args, kwargs)
-    names = [name for _, name, _ in written_arguments(func)]
-    if func in UNMARKED_WRITES and bound.get(UNMARKED_WRITES[func][0]):
-        names += UNMARKED_WRITES[func][1]
-    leaves, _ = tree_flatten([bound.get(name) for name in names])
-    return [v for v in leaves if isinstance(v, GlobalTensor)]
-
-
-def returns_written(func) -> bool:
-    """Whether the op returns the tensors it writes (in-place and ``out=`` ops), rather than new ones."""
-    returns = func._schema.returns
-    return bool(returns) and all(r.alias_info is not None and r.alias_info.is_write for r in returns)
+    """The global tensors the op writes into (self of in-place ops, ``out=`` tensors, batch norm's running
+    statistics in training)."""
+    names = written_names(func, args, kwargs)
+    return [g for (where, _), g in global_slots(args, kwargs) if argument_name(func, where) in names]

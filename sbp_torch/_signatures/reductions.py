@@ -30,7 +30,7 @@ from torch.fx.operator_schemas import normalize_function
 
 from .. import _collectives as coll
 from .._process_groups import axis_group
-from .._sbp import Partial, Split
+from .._sbp import Partial
 from .core import B, P, P_MAX, P_MIN, OpCall, S, Signature, register, smallest_part
 
 aten = torch.ops.aten

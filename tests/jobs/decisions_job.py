@@ -30,7 +30,10 @@ def main():
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    mine = [f"{key[0]} -> {d.signatures} {d.input_sbps}" for key, d in _select._decisions.items()]
+    mine = [
+        f"{key[0]} -> {d if isinstance(d, str) else (d.signatures, d.input_sbps)}"
+        for key, d in _select._decisions.items()
+    ]
     everyone = [None, None]
     dist.all_gather_object(everyone, mine)
     assert everyone[0] == everyone[1], "ranks decided differently"
