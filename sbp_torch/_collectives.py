@@ -1,6 +1,7 @@
-"""Collectives along one placement axis, in the axis' coordinate order, for uneven parts too.
+"""Collectives along one placement axis, in the axis' coordinate order, for uneven parts too; and the
+point-to-point exchange that boxing across placements uses.
 
-Every function takes an ``AxisGroup`` and works on ``torch.distributed`` only. Where gloo lacks an uneven
+Every collective takes an ``AxisGroup`` and works on ``torch.distributed`` only. Where gloo lacks an uneven
 collective (all-gather of unequal parts), the same bytes go through ``all_to_all_single``. A failing or
 timed-out collective raises ``CollectiveError`` saying what was being waited for.
 """
@@ -186,3 +187,46 @@ broadcast = _keeping_dtype(_broadcast)
 all_gather = _keeping_dtype(_all_gather)
 reduce_scatter = _keeping_dtype(_reduce_scatter)
 all_to_all = _keeping_dtype(_all_to_all)
+
+
+def send_recv(
+    sends: list[tuple[torch.Tensor, int, int]], recvs: list[tuple[tuple[int, ...], int, int]], like: torch.Tensor
+) -> list[torch.Tensor]:
+    """Point-to-point over the default group: send each ``(tensor, to rank, tag)`` and receive each
+    ``(shape, from rank, tag)`` as a tensor of ``like``'s dtype and device; returns the received tensors.
+
+    Everything is posted before anything is waited for, so the order of the lists cannot deadlock. A rank with
+    nothing to send or receive returns at once. Dtypes gloo lacks travel as on the collectives.
+    """
+    ops = [dist.P2POp(dist.isend, _on_wire(t).contiguous(), peer, tag=tag) for t, peer, tag in sends]
+    buffers = [_on_wire(like.new_empty(shape)) for shape, _, _ in recvs]
+    ops += [dist.P2POp(dist.irecv, buf, peer, tag=tag) for buf, (_, peer, tag) in zip(buffers, recvs)]
+    if ops:
+        try:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        except RuntimeError as err:
+            to, source = sorted({peer for _, peer, _ in sends}), sorted({peer for _, peer, _ in recvs})
+            raise CollectiveError(
+                f"point-to-point exchange on rank {dist.get_rank()} (sending to ranks {to}, receiving from ranks "
+                f"{source}) of {like.dtype} pieces failed while waiting for the other ranks: {err}"
+            ) from err
+    return [_off_wire(buf, like.dtype) for buf in buffers]
+
+
+def start_all_reduce(x: torch.Tensor, op: str, group: AxisGroup):
+    """Begin ``all_reduce(x, op, group)`` without waiting; returns ``finish()``, which waits and returns the
+    result. Lets gradient buckets reduce while backward goes on."""
+    if group.size == 1:
+        return lambda: x.clone()
+    wire = _on_wire(x)
+    out = wire.contiguous().clone()
+    work = _run(
+        f"all-reduce({op})", group, x, lambda: dist.all_reduce(out, _REDUCE_OPS[op], group.process_group, async_op=True)
+    )
+
+    def finish() -> torch.Tensor:
+        _run(f"all-reduce({op})", group, x, work.wait)
+        return _off_wire(out, x.dtype)
+
+    return finish

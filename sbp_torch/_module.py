@@ -103,11 +103,17 @@ def module_to_global(module: nn.Module, placement: Placement, sbp=None, *, bucke
 
 
 class GradientReducer:
-    """Boxes each accumulated gradient to ``gradient_sbp(param.sbp)``, bucketing all-reduce-only routes."""
+    """Boxes each accumulated gradient to ``gradient_sbp(param.sbp)``, bucketing all-reduce-only routes.
+
+    A bucket that fills during backward starts its all-reduce at once (asynchronously) and backward goes on;
+    at the end of backward the remaining buckets start, then every bucket is waited for in the order it
+    started (the same on every rank) and its gradients take their reduced values.
+    """
 
     def __init__(self, params: list[nn.Parameter], bucket_mb: float):
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.buckets: dict = {}
+        self.in_flight: list = []
         self.flush_queued = False
         for param in params:
             param.register_post_accumulate_grad_hook(self._on_accumulated)
@@ -125,28 +131,37 @@ class GradientReducer:
         bucket = self.buckets.setdefault(key, [])
         bucket.append(param)
         if sum(p.grad._local.numel() for p in bucket) * grad.dtype.itemsize >= self.bucket_bytes:
-            self._flush(key)
+            self._start(key)
         if not self.flush_queued:
             self.flush_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._flush_all)
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_all)
 
-    def _flush_all(self) -> None:
-        self.flush_queued = False
-        for key in list(self.buckets):  # insertion order: the same on every rank
-            self._flush(key)
-
-    def _flush(self, key) -> None:
+    def _start(self, key) -> None:
+        """Start the first all-reduce of bucket ``key``; the later axes (N-D placements) run when finished."""
         params = self.buckets.pop(key, [])
         if not params:
             return
         placement, _, steps, target = key
         flat = torch.cat([p.grad._local.reshape(-1) for p in params])
+        finish = None
         if placement.coord_of(torch.distributed.get_rank()) is not None:
-            for axis, src in steps:
-                flat = coll.all_reduce(flat, src.op, axis_group(placement, axis))
-        offset = 0
-        for p in params:
-            local = p.grad._local
-            part = flat[offset : offset + local.numel()].view(local.shape)
-            offset += local.numel()
-            p.grad = GlobalTensor(part, p.grad._meta.with_sbp(target))
+            axis, src = steps[0]
+            finish = coll.start_all_reduce(flat, src.op, axis_group(placement, axis))
+        self.in_flight.append((key, params, flat, finish))
+
+    def _finish_all(self) -> None:
+        self.flush_queued = False
+        for key in list(self.buckets):  # insertion order: the same on every rank
+            self._start(key)
+        in_flight, self.in_flight = self.in_flight, []
+        for (placement, _, steps, target), params, flat, finish in in_flight:
+            if finish is not None:
+                flat = finish()
+                for axis, src in steps[1:]:
+                    flat = coll.all_reduce(flat, src.op, axis_group(placement, axis))
+            offset = 0
+            for p in params:
+                local = p.grad._local
+                part = flat[offset : offset + local.numel()].view(local.shape)
+                offset += local.numel()
+                p.grad = GlobalTensor(part, p.grad._meta.with_sbp(target))

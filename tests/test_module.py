@@ -40,10 +40,10 @@ def _batches(n=3, rows=7):
     return [(torch.randn(rows, 6, generator=gen), torch.randn(rows, 3, generator=gen)) for _ in range(n)]
 
 
-def _compare_training(plan, input_sbp, optimizer_name, foreach, mesh):
+def _compare_training(plan, input_sbp, optimizer_name, foreach, mesh, bucket_mb=25.0):
     p = st.placement("cpu", mesh)
     reference = _mlp()
-    model = copy.deepcopy(reference).to_global(p, plan)
+    model = copy.deepcopy(reference).to_global(p, plan, bucket_mb=bucket_mb)
     want = _train(reference, _batches(), OPTIMIZERS[optimizer_name](reference.parameters(), foreach))
     got = _train(
         model,
@@ -79,6 +79,14 @@ def _hybrid_plan(name, tensor):
 
 def test_hybrid_plan_on_mesh():
     run_on_world(4, _compare_training, _hybrid_plan, (split(0), broadcast), "adam", True, [[0, 1], [2, 3]])
+
+
+def test_buckets_reduce_during_backward():
+    """Buckets of one tensor each start their all-reduce while backward goes on (and on a mesh, the second
+    axis follows when they finish)."""
+    tiny = 1e-6
+    run_on_world(3, _compare_training, broadcast, split(0), "sgd", False, [0, 1, 2], tiny)
+    run_on_world(4, _compare_training, (broadcast, broadcast), (split(0), split(0)), "adamw", True, [[0, 1], [2, 3]], tiny)
 
 
 def _tied_and_errors():
