@@ -25,12 +25,11 @@ def applies(func, args, kwargs) -> bool:
     if func not in MATMUL_FUNCS or kwargs or len(args) != 2:
         return False
     a, b = args
-    return (
-        isinstance(a, GlobalTensor)
-        and isinstance(b, GlobalTensor)
-        and a.dim() == b.dim() >= 3
-        and a.shape[:-2] == b.shape[:-2]
-    )
+    if not (isinstance(a, GlobalTensor) and isinstance(b, GlobalTensor)):
+        return False
+    # Shapes from the metadata: Tensor.dim() and .shape would re-enter __torch_function__.
+    a_shape, b_shape = a._meta.shape, b._meta.shape
+    return len(a_shape) == len(b_shape) >= 3 and a_shape[:-2] == b_shape[:-2]
 
 
 class BatchedMatmul(torch.autograd.Function):
