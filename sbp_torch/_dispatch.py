@@ -34,6 +34,7 @@ from ._select import (
     Decision,
     NoSignature,
     argument_key,
+    hashable,
     decide,
     global_slots,
     written_globals,
@@ -328,14 +329,17 @@ _plans: dict = {}
 def _dispatch_one(func, args, kwargs):
     key = argument_key(func, args, kwargs)
     plans = _plans.get(func)
-    plan = plans.get(key) if plans is not None else None
+    try:
+        plan = plans.get(key) if plans is not None else None
+    except TypeError:  # an unhashable argument: no caching for this call
+        plan = key = None
     if plan is not None:  # the steady state of a training loop: no checks, search, flattening or planning
         return _run(plan, func, args, kwargs)
     flat, _ = tree_flatten((args, kwargs))
     globals_ = _check_operands(func, flat)
     if _implicit[0]:
         args, kwargs = _broadcast_plain_tensors(func, args, kwargs, globals_[0].placement)
-        key = argument_key(func, args, kwargs)
+        key = argument_key(func, args, kwargs) if key is not None else None
     if func in VALUE_OPS:
         return _fallback(func, args, kwargs, globals_, "its result is a plain value")
     try:
@@ -343,7 +347,7 @@ def _dispatch_one(func, args, kwargs):
     except NoSignature as why:
         return _fallback(func, args, kwargs, globals_, str(why))
     plan = _compile(func, args, kwargs, decision, globals_[0].placement)
-    if key is not None:
+    if key is not None and hashable(key):
         _plans.setdefault(func, {})[key] = plan
     return _run(plan, func, args, kwargs)
 

@@ -69,26 +69,30 @@ def _key_of(value, is_scalar: bool):
     return value
 
 
-def argument_key(func, args, kwargs):
-    """A hashable key for the call's arguments (the op not included), or None when some static argument is
-    unhashable. Global tensors count by metadata, Scalar-typed numbers by type."""
+def argument_key(func, args, kwargs) -> tuple:
+    """The call's arguments as a key (the op not included): global tensors by metadata, Scalar-typed numbers
+    by type, the rest by value. It may be unhashable (a list of tensors' values, say): lookups catch that."""
     f = facts(func)
-    positions, names = f.scalar_positions, f.scalar_names
-    key = (
-        tuple(_key_of(a, i in positions) for i, a in enumerate(args)),
-        tuple((k, _key_of(v, k in names)) for k, v in kwargs.items()),
-    )
-    try:
-        hash(key)
-    except TypeError:
-        return None
+    positions = f.scalar_positions
+    key = tuple([_key_of(a, i in positions) for i, a in enumerate(args)])
+    if kwargs:
+        names = f.scalar_names
+        key += tuple([(k, _key_of(v, k in names)) for k, v in kwargs.items()])
     return key
 
 
+def hashable(key) -> bool:
+    try:
+        hash(key)
+    except TypeError:
+        return False
+    return True
+
+
 def cache_key(func, args, kwargs):
-    """The decision-cache key: the op and its argument key (None when that is)."""
-    key = argument_key(func, args, kwargs)
-    return None if key is None else (func, key)
+    """The decision-cache key: the op and its argument key; None when that is unhashable."""
+    key = (func, argument_key(func, args, kwargs))
+    return key if hashable(key) else None
 
 
 def global_slots(args, kwargs) -> list[tuple[tuple, GlobalTensor]]:
