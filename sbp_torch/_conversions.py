@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from . import _collectives as coll
 from ._agreement import exchange
+from ._boxing.cross_placement import cross_target, plan_cross, run_cross
 from ._boxing.plan import plan_boxing
 from ._boxing.run import run_plan
 from ._global_tensor import GlobalTensor
@@ -85,6 +86,26 @@ class _Box(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return gradient(grad, ctx.meta, ctx.saved_local), None
+
+
+class _CrossBox(torch.autograd.Function):
+    """Boxing to another placement (``_boxing/cross_placement.py``). Backward moves the gradient back across,
+    to the input's gradient layout with broadcast on its partial axes, where ``gradient`` keeps tie shares."""
+
+    @staticmethod
+    def forward(ctx, src: GlobalTensor, dst: GlobalMeta):
+        ctx.meta = src._meta
+        ctx.saved_local = src._local if _has_extreme(src._meta) else None
+        return GlobalTensor(run_cross(src._local, plan_cross(src._meta, dst)), dst)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not isinstance(grad, GlobalTensor):
+            raise TypeError(f"expected a global gradient for a global tensor, got a plain {type(grad).__name__}")
+        released = tuple(BROADCAST if isinstance(s, Partial) else s for s in ctx.meta.sbp)
+        back = GlobalMeta(grad._meta.shape, grad._meta.dtype, ctx.meta.placement, released)
+        moved = GlobalTensor(run_cross(grad._local, plan_cross(grad._meta, back)), back)
+        return gradient(moved, ctx.meta, ctx.saved_local), None
 
 
 class _FromLocal(torch.autograd.Function):
@@ -244,17 +265,19 @@ def to_global(x: torch.Tensor, placement: Placement | None = None, sbp=None, *, 
     * local -> global: ``x`` is this rank's part. For split, the logical tensor is the concatenation of all
       parts (uneven allowed); for broadcast, the first rank's ``x``; for partial, the reduction of all ``x``.
       ``check_meta`` (default True here) verifies that all ranks passed the same placement, SBP and dtype.
-    * global -> global: boxes ``x`` to ``sbp`` (default: unchanged) with the cheapest collectives.
+    * global -> global: boxes ``x`` to ``sbp`` (default: unchanged) with the cheapest collectives; to another
+      ``placement`` by point-to-point sends of the slices each destination rank needs.
 
     Every rank of the default process group must make the same call (ranks outside the placement too).
     Differentiable: the gradient comes back in the input's layout (see ``gradient_sbp``).
     """
     if isinstance(x, GlobalTensor):
         if placement is not None and placement != x.placement:
-            raise NotImplementedError(
-                f"to_global: moving a tensor from {x.placement} to {placement} (cross-placement boxing) is not "
-                "supported yet; box on the same placement, or go through to_local()"
-            )
+            dst_meta = cross_target(x._meta, placement, sbp)  # checked before any data moves
+            if check_meta:
+                exchange("to_global", (x._meta, dst_meta), (), True)
+            ensure_groups(placement)
+            return _CrossBox.apply(x, dst_meta)
         dst = x.sbp if sbp is None else normalize_sbp(sbp, x.placement, x.dim(), x.dtype)
         if check_meta:
             exchange("to_global", (x._meta, repr(dst)), (), True)

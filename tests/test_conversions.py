@@ -391,8 +391,12 @@ def _bad_mix_placements(rank, p, q):
     torch.ones(3).to_global(p, broadcast) + torch.ones(3).to_global(q, broadcast)
 
 
-def _bad_cross_placement(rank, p, q):
-    torch.ones(3).to_global(p, broadcast).to_global(q, broadcast)
+def _bad_cross_placement_device(rank, p, q):
+    torch.ones(3).to_global(p, broadcast).to_global(st.placement("cuda", [2, 1, 0]), broadcast)
+
+
+def _bad_cross_placement_sbp(rank, p, q):
+    torch.ones(3).to_global(p, broadcast).to_global(st.placement("cpu", [[0, 1]]), split(0))
 
 
 def error_body(name):
@@ -426,7 +430,8 @@ BAD_INPUT = [
     ("_bad_mix_plain_tensor", st.MixedTensorError, ["plain tensor of shape (3,)", "to_global"]),
     ("_bad_mix_plain_tensor_operator", st.MixedTensorError, ["plain tensor of shape (3,)", "implicit_broadcast"]),
     ("_bad_mix_placements", ValueError, ["different placements", "ranks=[0, 1, 2]", "ranks=[2, 1, 0]"]),
-    ("_bad_cross_placement", NotImplementedError, ["cross-placement", "ranks=[2, 1, 0]"]),
+    ("_bad_cross_placement_device", ValueError, ["device types differ", "'cpu'", "'cuda'", "ranks=[2, 1, 0]"]),
+    ("_bad_cross_placement_sbp", ValueError, ["1 entries", "2 axes", "ranks=[0, 1, 2]", "ranks=[[0, 1]]"]),
 ]
 
 

@@ -1,0 +1,242 @@
+"""Boxing across placements: move a global tensor to another placement and SBP with point-to-point sends.
+
+``cross_target`` checks the target from the arguments alone. A plan is data (``CrossPlan``, from
+``plan_cross``), built in three steps and executed by ``run_cross``:
+
+1. **Reduce at the source.** Every partial axis of the source is reduced inside the source placement by
+   ordinary boxing (``plan_boxing``), to a split of some dim (reduce-scatter) or to broadcast (all-reduce),
+   whichever choice makes the whole plan send the fewest bytes. The alternative, sending the partial parts
+   and reducing at the destination, sends every needed element once per partial rank; a reduce-scatter
+   sends less than one copy of the tensor, so it never costs more.
+2. **Pieces.** Each source rank now holds a box of the logical tensor (the same box on every rank along a
+   broadcast axis), and each destination rank needs its box under the target SBP. A piece is the
+   intersection of a source box and a destination box. A destination rank that holds the source box itself
+   copies the piece locally; otherwise one of the box's holders sends it, the holders taking turns.
+3. **Partial targets.** Only the coordinate 0 of every partial axis of the target receives the value. The
+   others hold the identity of an op and receive nothing (see ``fill_of``).
+
+Ranks in neither placement have no piece and no step: they return at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import Counter
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import torch.distributed as dist
+
+from .. import _collectives as coll
+from .._layout import GlobalMeta, normalize_sbp
+from .._placement import placement as Placement
+from .._sbp import Broadcast, Partial, SbpType, Split, reduction_identity
+from .plan import BoxingPlan, plan_boxing
+from .run import run_plan
+
+BROADCAST = Broadcast()
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (starts, lengths) per tensor dim
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A box of the logical tensor that rank ``src`` gives rank ``dst`` (a local copy when they are equal)."""
+
+    src: int
+    dst: int
+    starts: tuple[int, ...]
+    lengths: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.lengths)
+
+    @property
+    def is_local(self) -> bool:
+        return self.src == self.dst
+
+    def __repr__(self) -> str:
+        box = ", ".join(f"{s}:{s + n}" for s, n in zip(self.starts, self.lengths))
+        how = "local copy" if self.is_local else "send"
+        return f"rank {self.src} -> rank {self.dst}: [{box}] by {how}"
+
+
+@dataclass(frozen=True)
+class CrossPlan:
+    """How a tensor of ``src`` becomes a tensor of ``dst`` (another placement): first ``reduce`` inside the
+    source placement (no step unless the source has partial axes), then ``pieces``, in order."""
+
+    src: GlobalMeta
+    dst: GlobalMeta
+    reduce: BoxingPlan
+    pieces: tuple[Piece, ...]
+
+    @property
+    def bytes_moved(self) -> int:
+        """Bytes the pieces send between ranks (local copies excluded)."""
+        return sum(p.numel for p in self.pieces if not p.is_local) * self.src.dtype.itemsize
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes sent by all ranks together: the source reduction plus the pieces."""
+        return self.reduce.bytes_sent + self.bytes_moved
+
+    def __str__(self) -> str:
+        def layout(meta: GlobalMeta, sbp) -> str:
+            return f"{meta.placement.ranks} ({', '.join(map(repr, sbp))})"
+
+        head = (
+            f"{layout(self.src, self.src.sbp)} -> {layout(self.dst, self.dst.sbp)} for {tuple(self.src.shape)} "
+            f"{self.src.dtype}: {self.bytes_sent} B sent"
+        )
+        lines = [head]
+        if self.reduce.steps:
+            reduced = ", ".join(map(repr, self.reduce.dst_sbp))
+            lines.append(f"  reduce on {layout(self.src, self.src.sbp)} -> ({reduced})")
+            lines += [f"    {s!r}" for s in self.reduce.steps]
+        itemsize = self.src.dtype.itemsize
+        lines += [f"  {p!r} ({0 if p.is_local else p.numel * itemsize} B sent)" for p in self.pieces]
+        return "\n".join(lines)
+
+
+def cross_target(src: GlobalMeta, p: Placement, sbp) -> GlobalMeta:
+    """The metadata of a tensor of ``src`` moved to placement ``p`` with ``sbp`` (None: ``src.sbp``).
+
+    Checked from the arguments alone, so that every rank raises alike before any data moves: TypeError when
+    ``p`` is not a placement, ValueError for another device type, and ``normalize_sbp``'s errors for an SBP
+    that does not fit ``p``, naming both placements.
+    """
+    if not isinstance(p, Placement):
+        raise TypeError(f"to_global: placement must be an sbp_torch.placement, got {type(p).__name__}")
+    if p.type != src.placement.type:
+        raise ValueError(
+            f"to_global: cannot move a tensor from {src.placement} to {p}: the device types differ "
+            f"({src.placement.type!r} and {p.type!r})"
+        )
+    try:
+        sbp = normalize_sbp(src.sbp if sbp is None else sbp, p, len(src.shape), src.dtype)
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"to_global from {src.placement} to {p}: {err}") from err
+    return GlobalMeta(src.shape, src.dtype, p, sbp)
+
+
+def _coords(p: Placement):
+    return itertools.product(*(range(n) for n in p.shape))
+
+
+def _box(meta: GlobalMeta, coord: tuple[int, ...]) -> Box:
+    starts, lengths = meta.region(coord)
+    return tuple(starts), tuple(lengths)
+
+
+def _intersection(a: Box, b: Box) -> Box | None:
+    """The common part of two boxes, or None when it holds no element."""
+    starts = tuple(max(sa, sb) for sa, sb in zip(a[0], b[0]))
+    ends = tuple(min(sa + na, sb + nb) for sa, na, sb, nb in zip(*a, *b))
+    if any(e <= s for s, e in zip(starts, ends)):
+        return None
+    return starts, tuple(e - s for s, e in zip(starts, ends))
+
+
+def fill_of(meta: GlobalMeta, coord: tuple[int, ...]):
+    """What the part at ``coord`` of a target layout holds when it receives nothing: None when it receives the
+    value (coordinate 0 on every partial axis), else the identity of the op of the *last* partial axis on
+    which the coordinate is not 0.
+
+    Why the last: partial axes nest like splits. Along the first such axis a the block at ``coord[a]`` must
+    reduce to op_a's identity under the later axes; inside that block the coordinate 0 of the later axes holds
+    it and every other part holds its own later axis' identity, recursively.
+    """
+    nonzero = [s for s, c in zip(meta.sbp, coord) if isinstance(s, Partial) and c != 0]
+    return reduction_identity(nonzero[-1].op, meta.dtype) if nonzero else None
+
+
+def _holders(meta: GlobalMeta) -> dict[Box, list[int]]:
+    """Each box that the ranks of ``meta`` (no partial axis) hold, with its holders in coordinate order."""
+    boxes: dict[Box, list[int]] = {}
+    for c in _coords(meta.placement):
+        boxes.setdefault(_box(meta, c), []).append(meta.placement.rank_at(c))
+    return boxes
+
+
+def _pieces(src: GlobalMeta, dst: GlobalMeta) -> tuple[Piece, ...]:
+    """The pieces that give every receiving rank of ``dst`` its box from the ranks of ``src``."""
+    holders = _holders(src)
+    turns: Counter = Counter()  # remote sends served per source box so far: the holders take turns
+    pieces = []
+    for c in _coords(dst.placement):
+        if fill_of(dst, c) is not None:
+            continue
+        rank, need = dst.placement.rank_at(c), _box(dst, c)
+        for held, ranks in holders.items():
+            common = _intersection(held, need)
+            if common is None:
+                continue
+            if rank in ranks:
+                sender = rank
+            else:
+                sender = ranks[turns[held] % len(ranks)]
+                turns[held] += 1
+            pieces.append(Piece(sender, rank, *common))
+    return tuple(pieces)
+
+
+def _reductions(meta: GlobalMeta) -> list[tuple[SbpType, ...]]:
+    """The layouts without partial axes that the source may be reduced to: each partial axis becomes a split
+    of a non-empty dim or broadcast; the other axes stay."""
+    splits = [Split(d) for d, n in enumerate(meta.shape) if n > 0]
+    choices = [splits + [BROADCAST] if isinstance(s, Partial) else [s] for s in meta.sbp]
+    return list(itertools.product(*choices))
+
+
+def _plan_via(src: GlobalMeta, dst: GlobalMeta, reduced: tuple[SbpType, ...]) -> CrossPlan:
+    return CrossPlan(src, dst, plan_boxing(src, reduced), _pieces(src.with_sbp(reduced), dst))
+
+
+@lru_cache(maxsize=1024)
+def plan_cross(src: GlobalMeta, dst: GlobalMeta) -> CrossPlan:
+    """The plan that moves a tensor of ``src`` to ``dst`` (same shape and dtype, validated SBPs), choosing the
+    source reduction that sends the fewest bytes in all (the first such in ``_reductions`` order on a tie)."""
+    return min((_plan_via(src, dst, reduced) for reduced in _reductions(src)), key=lambda p: p.bytes_sent)
+
+
+def _cut(x: torch.Tensor, origin: tuple[int, ...], piece: Piece) -> torch.Tensor:
+    """The view of ``x`` (a part whose box starts at ``origin``) that holds ``piece``."""
+    for d, (o, s, n) in enumerate(zip(origin, piece.starts, piece.lengths)):
+        x = x.narrow(d, s - o, n)
+    return x
+
+
+def _destination_part(like: torch.Tensor, dst: GlobalMeta, coord: tuple[int, ...] | None) -> torch.Tensor:
+    """This rank's target part before any piece arrives: a fill, or uninitialised where pieces will cover it."""
+    shape = dst.local_shape(coord)
+    fill = None if coord is None else fill_of(dst, coord)
+    return like.new_empty(shape) if fill is None else like.new_full(shape, fill)
+
+
+def run_cross(local: torch.Tensor, plan: CrossPlan) -> torch.Tensor:
+    """This rank's part of the destination layout of ``plan``, from its part ``local`` of the source layout
+    (empty outside the source placement). Every rank of the world calls it; only ranks with a piece or a
+    reduction step do any work."""
+    me = dist.get_rank()
+    local = run_plan(local, plan.reduce)
+    held = plan.src.with_sbp(plan.reduce.dst_sbp)
+    src_coord, dst_coord = plan.src.placement.coord_of(me), plan.dst.placement.coord_of(me)
+    src_origin = _box(held, src_coord)[0] if src_coord is not None else None
+    dst_origin = _box(plan.dst, dst_coord)[0] if dst_coord is not None else None
+    out = _destination_part(local, plan.dst, dst_coord)
+    sends, arriving = [], []
+    for tag, piece in enumerate(plan.pieces):  # the piece's index tells pieces between one pair apart
+        if piece.is_local and piece.dst == me:
+            _cut(out, dst_origin, piece).copy_(_cut(local, src_origin, piece))
+        elif piece.src == me:
+            sends.append((_cut(local, src_origin, piece), piece.dst, tag))
+        elif piece.dst == me:
+            arriving.append((piece, tag))
+    received = coll.send_recv(sends, [(p.lengths, p.src, tag) for p, tag in arriving], local)
+    for (piece, _), value in zip(arriving, received):
+        _cut(out, dst_origin, piece).copy_(value)
+    return out
