@@ -106,6 +106,8 @@ def plan(src_ranks, src, dst_ranks, dst, shape=(7, 5)):
         ([0, 1], split(0), [2, 3], partial_sum, N),  # the value goes to coordinate 0 only
         ([0, 1], partial_sum, [2, 3], split(0), N + N),  # reduce-scatter ((p-1) N in all), then N
         ([0, 1, 2], partial_max, [3], broadcast, 2 * N + N),
+        ([0, 1, 2, 3], partial_sum, [3, 2, 1, 0], split(0), 3 * N),  # terms travel: each rank has its own
+        ([0, 1], partial_min, [1, 0], partial_min, N),  # rank 1 combines rank 0's term with its own
     ],
 )
 def test_plan_bytes(src_ranks, src, dst_ranks, dst, bytes_sent):
@@ -123,6 +125,14 @@ def test_partial_source_is_reduced_inside_the_source_first():
     x = plan([0, 1], partial_sum, [2, 3], broadcast)
     assert [s.collective for s in x.reduce.steps] == ["reduce-scatter"]
     assert x.bytes_sent == N + 2 * N < 2 * 2 * N
+
+
+def test_overlapping_partial_source_may_keep_its_terms():
+    """When the destination ranks hold partial terms themselves, sending the other terms and combining them
+    where they arrive beats reducing first (3N here, against 3N for the reduce-scatter alone)."""
+    x = plan([0, 1, 2, 3], partial_sum, [3, 2, 1, 0], split(0))
+    assert x.combine == "sum" and not x.reduce.steps
+    assert {(p.src, p.dst) for p in x.pieces if p.is_local} == {(r, r) for r in range(4)}
 
 
 def test_plan_str():
@@ -189,17 +199,18 @@ def cross_cases(draw, worlds=(2, 3, 4)):
 @settings(max_examples=300)
 @given(cross_cases(worlds=(4, 6)))
 def test_plan_covers_every_receiving_part_once(case):
-    """The pieces of every receiving part tile its box; senders hold what they send; only ranks of the
-    two placements appear."""
+    """The pieces of every receiving part tile its box (once per partial term when terms travel); senders hold
+    what they send; only ranks of the two placements appear."""
     _, src_ranks, dst_ranks, shape, src, dst, _ = case
     x = plan_cross(_meta(src_ranks, shape, src), _meta(dst_ranks, shape, dst))
     held = x.src.with_sbp(x.reduce.dst_sbp)
+    terms = math.prod(n for n, s in zip(held.placement.shape, held.sbp) if isinstance(s, Partial))
     for c in coords(x.dst.placement.shape):
         rank = x.dst.placement.rank_at(c)
         mine = [p for p in x.pieces if p.dst == rank]
         starts, lengths = x.dst.region(c)
         receives = all(c[a] == 0 for a, s in enumerate(x.dst.sbp) if isinstance(s, Partial))
-        assert sum(p.numel for p in mine) == (math.prod(lengths) if receives else 0)
+        assert sum(p.numel for p in mine) == (math.prod(lengths) * terms if receives else 0)
         for p in mine:
             assert all(s <= a and a + n <= s + m for s, m, a, n in zip(starts, lengths, p.starts, p.lengths))
             s_starts, s_lengths = held.region(held.placement.coord_of(p.src))
@@ -225,6 +236,8 @@ def test_overlapping_and_nested_placements():
     check_cross(4, [0, 1, 2, 3], [2, 1], (7, 5), broadcast, split(0))  # nested: local copies only
     check_cross(4, [2, 1], [0, 1, 2, 3], (7, 5), split(1), split(0))
     check_cross(4, [3, 1], [0, 1, 2, 3], (7, 5), partial_min, partial_max)
+    check_cross(4, [0, 1, 2, 3], [3, 2, 1, 0], (7, 5), partial_sum, split(0))  # terms combine where they land
+    check_cross(4, [[0, 1], [2, 3]], [1, 3], (7, 5), (partial_max, broadcast), split(1))
 
 
 def test_between_2d_and_1d():

@@ -3,15 +3,18 @@
 ``cross_target`` checks the target from the arguments alone. A plan is data (``CrossPlan``, from
 ``plan_cross``), built in three steps and executed by ``run_cross``:
 
-1. **Reduce at the source.** Every partial axis of the source is reduced inside the source placement by
-   ordinary boxing (``plan_boxing``), to a split of some dim (reduce-scatter) or to broadcast (all-reduce),
-   whichever choice makes the whole plan send the fewest bytes. The alternative, sending the partial parts
-   and reducing at the destination, sends every needed element once per partial rank; a reduce-scatter
-   sends less than one copy of the tensor, so it never costs more.
-2. **Pieces.** Each source rank now holds a box of the logical tensor (the same box on every rank along a
-   broadcast axis), and each destination rank needs its box under the target SBP. A piece is the
-   intersection of a source box and a destination box. A destination rank that holds the source box itself
-   copies the piece locally; otherwise one of the box's holders sends it, the holders taking turns.
+1. **Reduce at the source, or at the destination.** Each partial axis of the source is either reduced
+   inside the source placement by ordinary boxing (``plan_boxing``), to a split of some dim
+   (reduce-scatter) or to broadcast (all-reduce), or kept: its terms then travel and are combined by its op
+   where they arrive (allowed when every kept axis has the same op). Every choice is costed and the one
+   that sends the fewest bytes in all wins; on a tie the first in ``_reductions`` order, which reduces at
+   the source (its receivers get one copy, not one per term). Reducing at the source wins when the
+   placements are disjoint; keeping the terms can win when they overlap (a rank already holds its own term).
+2. **Pieces.** Each source rank now holds a box of the logical tensor, or of one partial term of it (the
+   same on every rank along a broadcast axis), and each destination rank needs its box under the target
+   SBP. A piece is the intersection of a source box and a destination box. A destination rank that holds
+   the source box itself takes the piece locally; otherwise one of the box's holders sends it, the holders
+   taking turns.
 3. **Partial targets.** Only the coordinate 0 of every partial axis of the target receives the value. The
    others hold the identity of an op and receive nothing (see ``fill_of``).
 
@@ -75,6 +78,13 @@ class CrossPlan:
     pieces: tuple[Piece, ...]
 
     @property
+    def combine(self) -> str | None:
+        """The op that combines arriving pieces when partial axes are kept (their terms overlap), or None:
+        the pieces are disjoint and copied."""
+        ops = {s.op for s in self.reduce.dst_sbp if isinstance(s, Partial)}
+        return ops.pop() if ops else None
+
+    @property
     def bytes_moved(self) -> int:
         """Bytes the pieces send between ranks (local copies excluded)."""
         return sum(p.numel for p in self.pieces if not p.is_local) * self.src.dtype.itemsize
@@ -97,6 +107,8 @@ class CrossPlan:
             reduced = ", ".join(map(repr, self.reduce.dst_sbp))
             lines.append(f"  reduce on {layout(self.src, self.src.sbp)} -> ({reduced})")
             lines += [f"    {s!r}" for s in self.reduce.steps]
+        if self.combine:
+            lines.append(f"  partial terms travel; each receiver combines its pieces by {self.combine}")
         itemsize = self.src.dtype.itemsize
         lines += [f"  {p!r} ({0 if p.is_local else p.numel * itemsize} B sent)" for p in self.pieces]
         return "\n".join(lines)
@@ -154,12 +166,15 @@ def fill_of(meta: GlobalMeta, coord: tuple[int, ...]):
     return reduction_identity(nonzero[-1].op, meta.dtype) if nonzero else None
 
 
-def _holders(meta: GlobalMeta) -> dict[Box, list[int]]:
-    """Each box that the ranks of ``meta`` (no partial axis) hold, with its holders in coordinate order."""
-    boxes: dict[Box, list[int]] = {}
+def _holders(meta: GlobalMeta) -> dict[tuple[Box, tuple[int, ...]], list[int]]:
+    """Each (box, partial term) that the ranks of ``meta`` hold, with its holders in coordinate order. The term
+    is the coordinates on the partial axes: ranks that differ only on broadcast axes hold the same thing."""
+    partial_axes = [a for a, s in enumerate(meta.sbp) if isinstance(s, Partial)]
+    held: dict[tuple[Box, tuple[int, ...]], list[int]] = {}
     for c in _coords(meta.placement):
-        boxes.setdefault(_box(meta, c), []).append(meta.placement.rank_at(c))
-    return boxes
+        term = tuple(c[a] for a in partial_axes)
+        held.setdefault((_box(meta, c), term), []).append(meta.placement.rank_at(c))
+    return held
 
 
 def _pieces(src: GlobalMeta, dst: GlobalMeta) -> tuple[Piece, ...]:
@@ -172,7 +187,7 @@ def _pieces(src: GlobalMeta, dst: GlobalMeta) -> tuple[Piece, ...]:
             continue
         rank, need = dst.placement.rank_at(c), _box(dst, c)
         for held, ranks in holders.items():
-            common = _intersection(held, need)
+            common = _intersection(held[0], need)
             if common is None:
                 continue
             if rank in ranks:
@@ -185,11 +200,12 @@ def _pieces(src: GlobalMeta, dst: GlobalMeta) -> tuple[Piece, ...]:
 
 
 def _reductions(meta: GlobalMeta) -> list[tuple[SbpType, ...]]:
-    """The layouts without partial axes that the source may be reduced to: each partial axis becomes a split
-    of a non-empty dim or broadcast; the other axes stay."""
+    """The layouts the source may be reduced to before its pieces travel: each partial axis becomes a split
+    of a non-empty dim or broadcast, or stays (kept axes must share one op, which combines at the
+    destination); the other axes stay."""
     splits = [Split(d) for d, n in enumerate(meta.shape) if n > 0]
-    choices = [splits + [BROADCAST] if isinstance(s, Partial) else [s] for s in meta.sbp]
-    return list(itertools.product(*choices))
+    choices = [splits + [BROADCAST, s] if isinstance(s, Partial) else [s] for s in meta.sbp]
+    return [r for r in itertools.product(*choices) if len({s.op for s in r if isinstance(s, Partial)}) <= 1]
 
 
 def _plan_via(src: GlobalMeta, dst: GlobalMeta, reduced: tuple[SbpType, ...]) -> CrossPlan:
@@ -210,10 +226,16 @@ def _cut(x: torch.Tensor, origin: tuple[int, ...], piece: Piece) -> torch.Tensor
     return x
 
 
-def _destination_part(like: torch.Tensor, dst: GlobalMeta, coord: tuple[int, ...] | None) -> torch.Tensor:
-    """This rank's target part before any piece arrives: a fill, or uninitialised where pieces will cover it."""
-    shape = dst.local_shape(coord)
-    fill = None if coord is None else fill_of(dst, coord)
+_COMBINE = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
+
+
+def _destination_part(like: torch.Tensor, plan: CrossPlan, coord: tuple[int, ...] | None) -> torch.Tensor:
+    """This rank's target part before any piece arrives: a fill where it receives nothing, the identity of
+    the op that combines the pieces, or uninitialised where copied pieces will cover it."""
+    shape = plan.dst.local_shape(coord)
+    fill = None if coord is None else fill_of(plan.dst, coord)
+    if fill is None and plan.combine and coord is not None:
+        fill = reduction_identity(plan.combine, plan.dst.dtype)
     return like.new_empty(shape) if fill is None else like.new_full(shape, fill)
 
 
@@ -227,16 +249,22 @@ def run_cross(local: torch.Tensor, plan: CrossPlan) -> torch.Tensor:
     src_coord, dst_coord = plan.src.placement.coord_of(me), plan.dst.placement.coord_of(me)
     src_origin = _box(held, src_coord)[0] if src_coord is not None else None
     dst_origin = _box(plan.dst, dst_coord)[0] if dst_coord is not None else None
-    out = _destination_part(local, plan.dst, dst_coord)
+    out = _destination_part(local, plan, dst_coord)
+    combine = _COMBINE.get(plan.combine)
+
+    def place(piece: Piece, value: torch.Tensor) -> None:
+        view = _cut(out, dst_origin, piece)
+        view.copy_(value if combine is None else combine(view, value))
+
     sends, arriving = [], []
     for tag, piece in enumerate(plan.pieces):  # the piece's index tells pieces between one pair apart
         if piece.is_local and piece.dst == me:
-            _cut(out, dst_origin, piece).copy_(_cut(local, src_origin, piece))
+            place(piece, _cut(local, src_origin, piece))
         elif piece.src == me:
             sends.append((_cut(local, src_origin, piece), piece.dst, tag))
         elif piece.dst == me:
             arriving.append((piece, tag))
     received = coll.send_recv(sends, [(p.lengths, p.src, tag) for p, tag in arriving], local)
     for (piece, _), value in zip(arriving, received):
-        _cut(out, dst_origin, piece).copy_(value)
+        place(piece, value)
     return out
