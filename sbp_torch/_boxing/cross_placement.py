@@ -180,7 +180,7 @@ def _holders(meta: GlobalMeta) -> dict[tuple[Box, tuple[int, ...]], list[int]]:
 def _pieces(src: GlobalMeta, dst: GlobalMeta) -> tuple[Piece, ...]:
     """The pieces that give every receiving rank of ``dst`` its box from the ranks of ``src``."""
     holders = _holders(src)
-    turns: Counter = Counter()  # remote sends served per source box so far: the holders take turns
+    turns: Counter = Counter()  # remote sends served per held (box, term) so far: the holders take turns
     pieces = []
     for c in _coords(dst.placement):
         if fill_of(dst, c) is not None:
@@ -215,7 +215,8 @@ def _plan_via(src: GlobalMeta, dst: GlobalMeta, reduced: tuple[SbpType, ...]) ->
 @lru_cache(maxsize=1024)
 def plan_cross(src: GlobalMeta, dst: GlobalMeta) -> CrossPlan:
     """The plan that moves a tensor of ``src`` to ``dst`` (same shape and dtype, validated SBPs), choosing the
-    source reduction that sends the fewest bytes in all (the first such in ``_reductions`` order on a tie)."""
+    reduction (or kept partial terms) that sends the fewest bytes in all, the first in ``_reductions`` order
+    on a tie."""
     return min((_plan_via(src, dst, reduced) for reduced in _reductions(src)), key=lambda p: p.bytes_sent)
 
 
