@@ -146,7 +146,7 @@ def _all_to_all(
 ) -> torch.Tensor:
     """Re-split: cut ``x`` along ``split_dim`` into ``send_sizes`` (part i goes to rank i), and concatenate
     the parts received along ``cat_dim``, where rank i's part has extent ``recv_sizes[i]``."""
-    sends = [p.contiguous().reshape(-1) for p in x.split(send_sizes, dim=split_dim)]
+    send_flat, in_counts = _send_buffer(x, split_dim, send_sizes, group)
     recv_shapes = []
     for size in recv_sizes:
         shape = list(x.shape)
@@ -154,9 +154,7 @@ def _all_to_all(
         shape[cat_dim] = size
         recv_shapes.append(shape)
     recv_counts = [torch.Size(s).numel() for s in recv_shapes]
-    send_flat = torch.cat(_to_group_order(group, sends))
     received = x.new_empty(sum(recv_counts))
-    in_counts = _to_group_order(group, [p.numel() for p in sends])
     out_counts = _to_group_order(group, recv_counts)
     _run(
         "all-to-all",
@@ -166,6 +164,22 @@ def _all_to_all(
     )
     parts = _from_group_order(group, list(received.split(out_counts)))
     return torch.cat([p.view(s) for p, s in zip(parts, recv_shapes)], dim=cat_dim)
+
+
+def _send_buffer(x: torch.Tensor, split_dim: int, sizes: list[int], group: AxisGroup) -> tuple[torch.Tensor, list]:
+    """``x`` cut along ``split_dim`` into ``sizes`` (part i for rank i), laid end to end in group order in one
+    flat buffer, with one copy at most (none when ``x`` already is that buffer); and the part sizes."""
+    parts = _to_group_order(group, list(x.split(sizes, dim=split_dim)))
+    counts = [p.numel() for p in parts]
+    in_order = tuple(group.coord_of_group_rank) == tuple(range(group.size))
+    if split_dim == 0 and in_order and x.is_contiguous():
+        return x.reshape(-1), counts
+    flat = x.new_empty(sum(counts))
+    offset = 0
+    for part, n in zip(parts, counts):
+        flat[offset : offset + n].view(part.shape).copy_(part)
+        offset += n
+    return flat, counts
 
 
 def _keeping_dtype(impl):
