@@ -61,11 +61,11 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self):
+    def __init__(self, layers: int = LAYERS):
         super().__init__()
         self.tokens = nn.Embedding(VOCAB, WIDTH)
         self.positions = nn.Embedding(CONTEXT, WIDTH)
-        self.blocks = nn.Sequential(*(Block() for _ in range(LAYERS)))
+        self.blocks = nn.Sequential(*(Block() for _ in range(layers)))
         self.ln = nn.LayerNorm(WIDTH)
         self.head = nn.Linear(WIDTH, VOCAB, bias=False)
         self.head.weight = self.tokens.weight  # tied
@@ -109,16 +109,22 @@ def batches(steps: int):
         yield tokens[:, :-1], tokens[:, 1:]
 
 
+def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, idx, targets, layout=lambda t: t) -> float:
+    """One step of AdamW on one batch; returns the loss. ``layout`` lays the batch out (e.g. ``to_global``)."""
+    loss = model(layout(idx), layout(targets))
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
 def train(model: nn.Module, steps: int, layout=lambda t: t) -> list[float]:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
-    losses = []
-    for idx, targets in batches(steps):
-        loss = model(layout(idx), layout(targets))
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
+    optimizer = make_optimizer(model)
+    return [train_step(model, optimizer, idx, targets, layout) for idx, targets in batches(steps)]
 
 
 def run(mode: str, steps: int) -> tuple[list[float], list[float]]:
