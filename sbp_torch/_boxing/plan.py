@@ -5,18 +5,13 @@ A plan is data (``BoxingPlan``): it can be printed, costed and cached, and ``run
 On an N-D placement a transition on axis ``a`` works inside the groups of ranks that differ only in their
 coordinate on ``a``. That is valid only if the later axes (which cut the tensor further) commute with it:
 a later axis must not split a dim that the transition splits or gathers, and a later partial axis must not
-reduce with another op than the one the transition reduces with. Planning therefore goes in two phases:
-
-1. from the last axis to the first, *release* (to broadcast) every axis that conflicts with an earlier axis
-   that must change; releasing is itself a change, so conflicts propagate in axis order;
-2. from the first axis to the last, move every axis from its current SBP to the target one directly.
-
-A change between two partial ops is routed through a split of a dim no other axis splits (reduce-scatter then
-a local fill), or through broadcast where no such dim exists.
+reduce with another op than the one the transition reduces with. Within that rule the planner searches for
+the cheapest sequence of 1-D transitions (Dijkstra's algorithm over the N-D layouts; see docs/boxing.md).
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from dataclasses import dataclass
 from functools import lru_cache
@@ -80,53 +75,6 @@ def _conflicts(later: SbpType, dims: set[int], reduce_op: str | None) -> bool:
     return False
 
 
-def _released_axes(src: tuple[SbpType, ...], dst: tuple[SbpType, ...]) -> list[bool]:
-    """Phase 1: which axes must go to broadcast before any axis moves to its target."""
-    released = [False] * len(src)
-    changes: list[tuple[set[int], str | None]] = []  # (dims, reduce op) of each changing axis so far
-    for b, (s, t) in enumerate(zip(src, dst)):
-        if any(_conflicts(s, dims, op) for dims, op in changes):
-            released[b] = True
-            target = BROADCAST
-        elif s != t:
-            target = t
-        else:
-            continue
-        changes.append((_split_dims(s) | _split_dims(t), _reduces_with(s, target) or _reduces_with(s, t)))
-    return released
-
-
-def _scatter_dim(meta: GlobalMeta, axis: int, sbp: tuple[SbpType, ...], dst: tuple[SbpType, ...]) -> int | None:
-    """A dim to route a partial-op change on ``axis`` through: the largest that no other axis splits."""
-    others = [s for a, pair in enumerate(zip(sbp, dst)) if a != axis for s in pair]
-    taken = set().union(*(_split_dims(s) for s in others))
-    free = [d for d in range(len(meta.shape)) if d not in taken and meta.shape[d] > 0]
-    return max(free, key=lambda d: meta.shape[d]) if free else None
-
-
-def _moves(meta: GlobalMeta, dst: tuple[SbpType, ...]) -> list[tuple[int, SbpType, SbpType]]:
-    """The (axis, from, to) moves of both phases, each a row of the 1-D table."""
-    cur = list(meta.sbp)
-    released = _released_axes(meta.sbp, dst)
-    moves = []
-    for axis in reversed(range(len(cur))):
-        if released[axis] and cur[axis] != BROADCAST:
-            moves.append((axis, cur[axis], BROADCAST))
-            cur[axis] = BROADCAST
-    for axis, target in enumerate(dst):
-        s = cur[axis]
-        if s == target:
-            continue
-        if isinstance(s, Partial) and isinstance(target, Partial):
-            dim = _scatter_dim(meta, axis, tuple(cur), dst)
-            middle = Split(dim) if dim is not None else BROADCAST
-            moves += [(axis, s, middle), (axis, middle, target)]
-        else:
-            moves.append((axis, s, target))
-        cur[axis] = target
-    return moves
-
-
 def axis_view(meta: GlobalMeta, axis: int, coord: tuple[int, ...]) -> AxisView:
     """What a transition on ``axis`` needs to know about a tensor of ``meta`` at ``coord``."""
     _, extent = meta.region(coord, axis)
@@ -136,15 +84,65 @@ def axis_view(meta: GlobalMeta, axis: int, coord: tuple[int, ...]) -> AxisView:
     return AxisView(tuple(extent), local_numel, meta.placement.shape[axis], coord[axis])
 
 
+def _candidates(meta: GlobalMeta, dst: tuple[SbpType, ...]) -> list[SbpType]:
+    """The SBPs an axis may pass through: broadcast, a split of any dim of size > 0 (reduce-scatters go
+    through one), and the partial ops of either end."""
+    ops = sorted({s.op for s in meta.sbp + dst if isinstance(s, Partial)})
+    ends = {s.dim for s in meta.sbp + dst if isinstance(s, Split)}
+    dims = [d for d in range(len(meta.shape)) if meta.shape[d] > 0 or d in ends]
+    return [BROADCAST] + [Split(d) for d in dims] + [Partial(op) for op in ops]
+
+
+def _commutes(cur: tuple[SbpType, ...], axis: int, s: SbpType, t: SbpType) -> bool:
+    """Whether ``axis`` may move ``s -> t`` now: no later axis splits a dim it touches or reduces otherwise."""
+    dims, op = _split_dims(s) | _split_dims(t), _reduces_with(s, t)
+    return not any(_conflicts(later, dims, op) for later in cur[axis + 1 :])
+
+
+@lru_cache(maxsize=65536)
+def _step(at: GlobalMeta, axis: int, t: SbpType) -> BoxingStep:
+    """Moving ``axis`` of a tensor laid out as ``at`` to ``t``, with its bytes (memoized: the searches of
+    one decision's candidates share most of their steps)."""
+    s = at.sbp[axis]
+    row = transition(s, t)
+    coords = itertools.product(*(range(n) for n in at.placement.shape))
+    sent = sum(row.sent(s, t, axis_view(at, axis, c)) for c in coords) * at.dtype.itemsize
+    return BoxingStep(axis, s, t, row.collective, round(sent))
+
+
 @lru_cache(maxsize=4096)
 def plan_boxing(meta: GlobalMeta, dst_sbp: tuple[SbpType, ...]) -> BoxingPlan:
-    """The plan that takes a global tensor of ``meta`` to ``dst_sbp`` on the same placement (both validated)."""
+    """The plan that takes a global tensor of ``meta`` to ``dst_sbp`` on the same placement (both validated):
+    the cheapest sequence of 1-D transitions (bytes sent, then number of steps), found by Dijkstra's search
+    over the N-D layouts. Each step moves one axis by a row of the 1-D table and must commute with the
+    later axes. Neighbours are tried in a fixed order, so every rank finds the same plan."""
+    start, goal = tuple(meta.sbp), tuple(dst_sbp)
+    candidates = _candidates(meta, goal)
+    best = {start: (0, 0)}
+    came_from: dict = {}
+    frontier = [(0, 0, 0, start)]
+    pushed = 1
+    while frontier:
+        cost, n_steps, _, cur = heapq.heappop(frontier)
+        if cur == goal:
+            break
+        if best[cur] < (cost, n_steps):
+            continue  # a stale entry
+        for axis, s in enumerate(cur):
+            for t in candidates:
+                if t == s or (isinstance(s, Partial) and isinstance(t, Partial)) or not _commutes(cur, axis, s, t):
+                    continue
+                step = _step(meta.with_sbp(cur), axis, t)
+                nxt = cur[:axis] + (t,) + cur[axis + 1 :]
+                score = (cost + step.bytes_sent, n_steps + 1)
+                if nxt not in best or score < best[nxt]:
+                    best[nxt] = score
+                    came_from[nxt] = (cur, step)
+                    heapq.heappush(frontier, (*score, pushed, nxt))
+                    pushed += 1
     steps = []
-    cur = meta
-    coords = list(itertools.product(*(range(n) for n in meta.placement.shape)))
-    for axis, s, t in _moves(meta, dst_sbp):
-        row = transition(s, t)
-        sent = sum(row.sent(s, t, axis_view(cur, axis, c)) for c in coords) * meta.dtype.itemsize
-        steps.append(BoxingStep(axis, s, t, row.collective, round(sent)))
-        cur = cur.with_sbp(cur.sbp[:axis] + (t,) + cur.sbp[axis + 1 :])
-    return BoxingPlan(meta, dst_sbp, tuple(steps))
+    cur = goal
+    while cur != start:
+        cur, step = came_from[cur]
+        steps.append(step)
+    return BoxingPlan(meta, dst_sbp, tuple(reversed(steps)))
