@@ -276,15 +276,83 @@ def _fallback(func, args, kwargs, globals_: list[GlobalTensor], why: str):
     return tree_map(wrap, out)
 
 
+@dataclass(frozen=True)
+class ForeachPlan:
+    """A foreach call each of whose indices runs on its local parts as they are (no boxing, no kernel): the
+    whole call runs as one local foreach call, as torch's optimizers expect for speed."""
+
+    slots: tuple  # where the global tensors sit in the arguments
+    outputs: tuple  # per index, the GlobalMeta of its output (ops that return new tensors)
+    local_shapes: tuple
+
+
+_foreach_plans: dict = {}
+
+
 def _run_foreach(func, args, kwargs):
-    """A foreach op, index by index: each index decides its own layout (see ``_signatures/foreach.py``)."""
-    results = []
+    """A foreach op. The first call of a call shape runs index by index, each index deciding its own layout
+    (see ``_signatures/foreach.py``); if every index then ran locally, later calls run as one local call."""
+    key = argument_key(func, args, kwargs)
+    try:
+        plan = _foreach_plans.get((func, key))
+    except TypeError:
+        plan = key = None
+    if plan is not None:
+        return _run_foreach_plan(plan, func, args, kwargs)
+    results, index_plans = [], []
     for one_args, one_kwargs in split_foreach_call(func, args, kwargs):
         has_global = any(isinstance(a, GlobalTensor) for a in tree_flatten((one_args, one_kwargs))[0])
         results.append(_dispatch_one(func, one_args, one_kwargs) if has_global else func(*one_args, **one_kwargs))
+        index_plans.append(_cached_plan(func, one_args, one_kwargs) if has_global else None)
+    if key is not None and hashable(key) and all(_runs_as_is(p) for p in index_plans):
+        outputs = tuple(p.decision.outputs[0] for p in index_plans) if facts(func).returns_tensors else ()
+        _foreach_plans[(func, key)] = ForeachPlan(
+            tuple(slot for slot, _ in global_slots(args, kwargs)), outputs, tuple(m.local_shape(
+                m.placement.coord_of(dist.get_rank())) for m in outputs))
     if not func._schema.returns:
         return None
     return [r[0] for r in results]
+
+
+def _cached_plan(func, args, kwargs) -> CallPlan | None:
+    key = argument_key(func, args, kwargs)
+    plans = _plans.get(func)
+    return plans.get(key) if plans is not None and hashable(key) else None
+
+
+def _runs_as_is(plan: CallPlan | None) -> bool:
+    """Whether a call plan runs the op on the local parts unchanged: no boxing, no kernel, a member rank."""
+    return (
+        plan is not None
+        and plan.member
+        and plan.decision.kernel is None
+        and plan.decision.rule.outside is None
+        and all(boxing is None for boxing in plan.plans)
+    )
+
+
+def _run_foreach_plan(plan: ForeachPlan, func, args, kwargs):
+    local_args, local_kwargs = list(args), dict(kwargs) if kwargs else kwargs
+    copied = set()
+    for where, index in plan.slots:
+        holder = local_kwargs if isinstance(where, str) else local_args
+        if index is None:
+            holder[where] = holder[where]._local
+            continue
+        if where not in copied:
+            holder[where] = list(holder[where])
+            copied.add(where)
+        holder[where][index] = holder[where][index]._local
+    out = func(*local_args, **local_kwargs)
+    if not plan.outputs:
+        return None if not func._schema.returns else out
+    wrapped = []
+    for local, meta, shape in zip(out, plan.outputs, plan.local_shapes):
+        if local.shape != shape:
+            raise RuntimeError(f"sbp_torch internal error: {func} gave a local part of shape {tuple(local.shape)} "
+                               f"where the layout {meta} needs {shape}")
+        wrapped.append(GlobalTensor(local, meta))
+    return wrapped
 
 
 def _out_of_place(func):

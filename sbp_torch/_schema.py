@@ -31,6 +31,7 @@ class OpFacts:
     returns_written: bool  # the op returns the tensors it writes, not new ones
     inplace_view: bool  # squeeze_, transpose_, ...: changes self's own shape
     foreach: bool  # _foreach_*: runs index by index
+    returns_tensors: bool  # returns new tensors (not nothing, not the written arguments)
     unmarked: tuple | None  # UNMARKED_WRITES entry
 
 
@@ -54,6 +55,7 @@ def facts(func) -> OpFacts:
         returns_written=bool(returns) and all(r.alias_info is not None and r.alias_info.is_write for r in returns),
         inplace_view=torch.Tag.inplace_view in func.tags,
         foreach=is_foreach(func),
+        returns_tensors=bool(returns) and not any(r.alias_info is not None for r in returns),
         unmarked=UNMARKED_WRITES.get(func),
     )
     _facts[func] = result

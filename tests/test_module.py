@@ -125,3 +125,25 @@ def _attention_products():
 def test_batched_matmul_keeps_head_split():
     for got in run_on_world(4, _attention_products):  # rank 3 is outside the 1-D placements
         assert got == [[(split(1),)], [(split(0),)], [(split(0), split(1))]]
+
+
+def _foreach_runs_as_one_call():
+    from sbp_torch import _dispatch
+
+    p = st.placement("cpu", [0, 1])
+    model = _mlp().to_global(p, {"0.weight": split(0), "*": broadcast})
+    optimizer = torch.optim.AdamW(model.parameters(), foreach=True)
+    for x, y in _batches(n=2):
+        loss = nn.functional.mse_loss(model(x.to_global(p, broadcast)), y.to_global(p, broadcast))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return sorted({str(func) for func, _ in _dispatch._foreach_plans})
+
+
+def test_foreach_ops_whose_indices_run_locally_become_one_local_call():
+    """After the first step, AdamW's foreach ops (parameters split and broadcast alike: none needs boxing)
+    run as one local foreach call each, as torch's optimizer expects; the values are checked by the
+    training tests above."""
+    ops = run_on_world(2, _foreach_runs_as_one_call)[0]
+    assert "aten._foreach_lerp_.Scalar" in ops and "aten._foreach_addcdiv_.ScalarList" in ops, ops
