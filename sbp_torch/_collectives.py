@@ -17,6 +17,7 @@ from ._process_groups import AxisGroup
 
 # torch 2.13 renamed all_gather_into_tensor; keep working on 2.11.
 _all_gather_even = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_even = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -128,17 +129,23 @@ def _all_gather(x: torch.Tensor, dim: int, sizes: list[int], group: AxisGroup) -
 
 
 def _reduce_scatter(x: torch.Tensor, op: str, dim: int, sizes: list[int], group: AxisGroup) -> torch.Tensor:
-    """Reduce ``x`` over the group with ``op`` and keep this rank's part ``sizes[index]`` along ``dim``."""
+    """Reduce ``x`` over the group with ``op`` and keep this rank's part ``sizes[index]`` along ``dim``.
+
+    One tensor-form reduce-scatter: gloo runs the list form as one all-reduce per part. Unequal parts are
+    padded to the largest (the padding rows are reduced and dropped)."""
     rows = x.movedim(dim, 0)
-    parts = _to_group_order(group, [p.contiguous() for p in rows.split(sizes)])
-    out = rows.new_empty((sizes[group.index], *rows.shape[1:]))
+    largest = max(sizes)
+    send = rows.new_zeros((largest * group.size, *rows.shape[1:]))
+    for slot, part in enumerate(_to_group_order(group, list(rows.split(sizes)))):
+        send[slot * largest : slot * largest + part.shape[0]] = part
+    out = rows.new_empty((largest, *rows.shape[1:]))
     _run(
         f"reduce-scatter({op})",
         group,
         x,
-        lambda: dist.reduce_scatter(out, parts, _REDUCE_OPS[op], group.process_group),
+        lambda: _reduce_scatter_even(out, send, _REDUCE_OPS[op], group.process_group),
     )
-    return out.movedim(0, dim).contiguous()  # as the global stride says
+    return out[: sizes[group.index]].movedim(0, dim).contiguous()  # as the global stride says
 
 
 def _all_to_all(

@@ -131,3 +131,5 @@ def test_unsigned_layouts_gloo_lacks(dtype):
 def test_rank_order_of_placement_need_not_be_sorted():
     check_boxing(4, [[3, 1], [0, 2]], (5, 7), (split(0), split(1)), (split(1), split(0)))
     check_boxing(3, [2, 0, 1], (7, 4), split(0), split(1))
+    check_boxing(3, [2, 0, 1], (7, 4), partial_sum, split(0))  # reduce-scatter of uneven parts
+    check_boxing(4, [[3, 1], [0, 2]], (5, 7), (partial_max, partial_sum), (split(1), split(0)))
