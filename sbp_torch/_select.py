@@ -211,7 +211,7 @@ def _make_decision(func, args, kwargs) -> Decision:
             continue
         if any(tuple(o.shape) != info.shape for o, info in zip(outs, outputs)):
             continue
-        cost = sum(plan_boxing(g._meta, t).bytes_sent for g, t in zip(inputs, targets))
+        cost = sum(plan_boxing(g._meta, t).cost for g, t in zip(inputs, targets))
         changes = sum(t != g.sbp for g, t in zip(inputs, targets))
         if best is None or (cost, changes) < best[0]:
             metas = tuple(GlobalMeta(o.shape, o.dtype, placement, s) for o, s in zip(outputs, out_sbps))

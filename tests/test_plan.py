@@ -51,37 +51,52 @@ def test_partial_op_change_of_a_scalar_goes_through_broadcast():
     assert [(s.src, s.dst) for s in p.steps] == [(partial_sum, broadcast), (broadcast, partial_min)]
 
 
+GRID = st.placement("cpu", [[0, 1], [2, 3]])
+BIG = (1024, 512)  # 2 MiB of float32: bytes outweigh the latency of a collective
+BIG_N = 1024 * 512 * 4
+
+
 def test_nested_split_moves_the_inner_axis_off_the_gathered_dim():
     """Axis 0 cannot gather dim 0 while axis 1 splits it: axis 1 moves off dim 0 first. The search re-cuts it
     by all-to-all, cheaper than the release to broadcast (gather, gather, slice) it competes with."""
-    grid = st.placement("cpu", [[0, 1], [2, 3]])
-    p = plan((split(0), split(0)), (broadcast, split(0)), placement=grid)
+    p = plan((split(0), split(0)), (broadcast, split(0)), shape=BIG, placement=GRID)
     first_gather = next(i for i, s in enumerate(p.steps) if s.axis == 0)
     assert all(s.dst != split(0) for s in p.steps[:first_gather] if s.axis == 1)
     release = [((split(0), split(0)), (split(0), broadcast)), ((split(0), broadcast), (broadcast, broadcast)),
                ((broadcast, broadcast), (broadcast, split(0)))]
-    assert p.bytes_sent < sum(plan(a, b, placement=grid).bytes_sent for a, b in release)
-    independent = plan((split(0), split(1)), (broadcast, split(1)), placement=grid)
+    assert p.cost < sum(plan(a, b, shape=BIG, placement=GRID).cost for a, b in release)
+    independent = plan((split(0), split(1)), (broadcast, split(1)), placement=GRID)
     assert [(s.axis, s.collective) for s in independent.steps] == [(0, "all-gather")]
 
 
 def test_mixed_partial_ops_are_reduced_innermost_first():
-    """The max (inner axis) must be reduced before the sum; the cheapest route reduce-scatters it, so that the
-    sum's all-reduce moves half the data: 3 steps of 2 N each, against 4 N for each of two all-reduces."""
-    grid = st.placement("cpu", [[0, 1], [2, 3]])
-    p = plan((partial_sum, partial_max), (broadcast, broadcast), placement=grid)
+    """The max (inner axis) must be reduced before the sum. For a large tensor the cheapest route
+    reduce-scatters it, so that the sum's all-reduce moves half the data (3 steps of 2 N, against 4 N for each
+    of two all-reduces); for a small one, two all-reduces (two collectives, not three)."""
+    p = plan((partial_sum, partial_max), (broadcast, broadcast), shape=BIG, placement=GRID)
     assert [(s.axis, s.src, s.collective) for s in p.steps] == [
         (1, partial_max, "reduce-scatter"), (0, partial_sum, "all-reduce"), (1, split(0), "all-gather")]
-    assert p.bytes_sent == 3 * 2 * N < 2 * 4 * N
+    assert p.bytes_sent == 3 * 2 * BIG_N < 2 * 4 * BIG_N
+    small = plan((partial_sum, partial_max), (broadcast, broadcast), placement=GRID)
+    assert [(s.axis, s.src, s.collective) for s in small.steps] == [
+        (1, partial_max, "all-reduce"), (0, partial_sum, "all-reduce")]
 
 
 def test_two_partial_axes_reduce_a_scattered_part():
-    """(P, P) -> (B, B): reduce-scatter on one axis, all-reduce of that half on the other, all-gather: 2 N
-    per step over the 4 ranks (6 N, the minimum), not two full all-reduces (8 N)."""
-    grid = st.placement("cpu", [[0, 1], [2, 3]])
-    p = plan((partial_sum, partial_sum), (broadcast, broadcast), shape=(8, 8), placement=grid)
+    """(P, P) -> (B, B) of a large tensor: reduce-scatter on one axis, all-reduce of that half on the other,
+    all-gather: 2 N per step over the 4 ranks (6 N, the minimum), not two full all-reduces (8 N)."""
+    p = plan((partial_sum, partial_sum), (broadcast, broadcast), shape=BIG, placement=GRID)
     assert [s.collective for s in p.steps] == ["reduce-scatter", "all-reduce", "all-gather"]
-    assert p.bytes_sent == 6 * (8 * 8 * 4)
+    assert p.bytes_sent == 6 * BIG_N
+
+
+def test_latency_counts_per_collective():
+    """Each collective step costs its bytes plus the latency of the call; local steps cost nothing."""
+    from sbp_torch._boxing.plan import LATENCY_BYTES_PER_RANK
+
+    gather = plan(split(0), broadcast)
+    assert gather.cost == gather.bytes_sent + 3 * LATENCY_BYTES_PER_RANK
+    assert plan(broadcast, split(0)).cost == 0
 
 
 SBPS = [split(0), split(1), broadcast, partial_sum, partial_max, partial_min]

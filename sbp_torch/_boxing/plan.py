@@ -23,15 +23,25 @@ from .transitions import AxisView, transition
 BROADCAST = Broadcast()
 
 
+# What one collective call costs beyond the bytes it moves, expressed in bytes per participating rank: its
+# latency at a typical bandwidth (about 50 us at a few GB/s for gloo on one host; NCCL's lower latency meets
+# higher bandwidth). It makes plans and signature choices prefer fewer, larger collectives where the bytes are
+# about equal (an all-reduce rather than a reduce-scatter now and an all-gather later), while large tensors
+# are still planned by their bytes.
+LATENCY_BYTES_PER_RANK = 64 * 1024
+
+
 @dataclass(frozen=True)
 class BoxingStep:
-    """One 1-D transition on one placement axis; ``bytes_sent`` is summed over every rank of the placement."""
+    """One 1-D transition on one placement axis; ``bytes_sent`` is summed over every rank of the placement,
+    ``cost`` adds the latency of the collective (``LATENCY_BYTES_PER_RANK`` for each rank), 0 for a local step."""
 
     axis: int
     src: SbpType
     dst: SbpType
     collective: str
     bytes_sent: int
+    cost: int = 0
 
     def __repr__(self) -> str:
         return f"axis {self.axis}: {self.src!r} -> {self.dst!r} by {self.collective} ({self.bytes_sent} B sent)"
@@ -49,6 +59,12 @@ class BoxingPlan:
     def bytes_sent(self) -> int:
         """Bytes sent by all ranks together."""
         return sum(s.bytes_sent for s in self.steps)
+
+    @property
+    def cost(self) -> int:
+        """Bytes sent plus the latency of each collective, in bytes: what the planner and the signature
+        choice minimise."""
+        return sum(s.cost for s in self.steps)
 
     def __str__(self) -> str:
         src = ", ".join(map(repr, self.meta.sbp))
@@ -106,14 +122,15 @@ def _step(at: GlobalMeta, axis: int, t: SbpType) -> BoxingStep:
     s = at.sbp[axis]
     row = transition(s, t)
     coords = itertools.product(*(range(n) for n in at.placement.shape))
-    sent = sum(row.sent(s, t, axis_view(at, axis, c)) for c in coords) * at.dtype.itemsize
-    return BoxingStep(axis, s, t, row.collective, round(sent))
+    sent = round(sum(row.sent(s, t, axis_view(at, axis, c)) for c in coords) * at.dtype.itemsize)
+    ranks = len(at.placement.flat_ranks) if not row.is_local and at.placement.shape[axis] > 1 else 0
+    return BoxingStep(axis, s, t, row.collective, sent, sent + ranks * LATENCY_BYTES_PER_RANK)
 
 
 @lru_cache(maxsize=4096)
 def plan_boxing(meta: GlobalMeta, dst_sbp: tuple[SbpType, ...]) -> BoxingPlan:
     """The plan that takes a global tensor of ``meta`` to ``dst_sbp`` on the same placement (both validated):
-    the cheapest sequence of 1-D transitions (bytes sent, then number of steps), found by Dijkstra's search
+    the cheapest sequence of 1-D transitions (cost: bytes plus latency; then number of steps), found by Dijkstra's search
     over the N-D layouts. Each step moves one axis by a row of the 1-D table and must commute with the
     later axes. Neighbours are tried in a fixed order, so every rank finds the same plan."""
     start, goal = tuple(meta.sbp), tuple(dst_sbp)
@@ -134,7 +151,7 @@ def plan_boxing(meta: GlobalMeta, dst_sbp: tuple[SbpType, ...]) -> BoxingPlan:
                     continue
                 step = _step(meta.with_sbp(cur), axis, t)
                 nxt = cur[:axis] + (t,) + cur[axis + 1 :]
-                score = (cost + step.bytes_sent, n_steps + 1)
+                score = (cost + step.cost, n_steps + 1)
                 if nxt not in best or score < best[nxt]:
                     best[nxt] = score
                     came_from[nxt] = (cur, step)
