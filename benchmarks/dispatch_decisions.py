@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import harness  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 REPEATS = 200
@@ -29,14 +30,8 @@ aten = torch.ops.aten
 
 
 def _timed(fn, repeats=REPEATS) -> dict:
-    fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter_ns()
-        fn()
-        samples.append((time.perf_counter_ns() - start) / 1e3)
-    q = statistics.quantiles(samples, n=4)
-    return {"median_us": statistics.median(samples), "iqr_us": q[2] - q[0]}
+    t = harness.timed_local(fn, repeats=repeats, warmup=1)
+    return {"median_us": t["median_us"], "iqr_us": t["q3_us"] - t["q1_us"]}
 
 
 def _cases(ndim: int):
