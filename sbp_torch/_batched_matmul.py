@@ -43,6 +43,15 @@ class BatchedMatmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         a, b = ctx.saved_tensors
-        grad_a = torch.matmul(grad, b.transpose(-1, -2)) if ctx.needs_input_grad[0] else None
-        grad_b = torch.matmul(a.transpose(-1, -2), grad) if ctx.needs_input_grad[1] else None
+        grad_a = _matmul(grad, b.transpose(-1, -2)) if ctx.needs_input_grad[0] else None
+        grad_b = _matmul(a.transpose(-1, -2), grad) if ctx.needs_input_grad[1] else None
         return grad_a, grad_b
+
+
+def _matmul(x, y):
+    """``x @ y`` for the gradient, as one ``aten.matmul`` where this module applies. Called directly: backward
+    started from ``Tensor.backward`` runs with ``__torch_function__`` off (it was entered through it), so
+    ``torch.matmul`` here would be flattened by torch like any other."""
+    if applies(torch.matmul, (x, y), {}):
+        return BatchedMatmul.apply(x, y)
+    return torch.matmul(x, y)

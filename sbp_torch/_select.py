@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ._boxing.plan import plan_boxing
 from ._global_tensor import GlobalTensor
 from ._layout import GlobalMeta
-from ._sbp import Partial, Split, check_partial_dtype
+from ._sbp import Broadcast, Partial, Split, check_partial_dtype
 from ._schema import argument_name, facts
 from ._signatures import rule_for
 from ._signatures.core import OpCall, Rule, Signature, TensorInfo, bind
@@ -55,6 +55,7 @@ class NoSignature(Exception):
 
 
 _decisions: dict = {}
+BROADCAST = Broadcast()
 
 
 def _key_of(value, is_scalar: bool):
@@ -165,6 +166,30 @@ def _partial_allowed(combo, inputs: list[GlobalTensor]) -> bool:
     return True
 
 
+def _joins_partial(combo, inputs: list[GlobalTensor]) -> bool:
+    """Whether the signature makes a non-partial input partial to join a partial one (``b + p`` as ``P + P``)
+    rather than the op making the partial result itself (a split contraction)."""
+    for axis, sig in enumerate(combo):
+        inherent = any(isinstance(o, Partial) for o in sig.outputs) and any(isinstance(w, Split) for w in sig.inputs)
+        if not inherent and any(
+            isinstance(want, Partial) and not isinstance(g.sbp[axis], Partial) for want, g in zip(sig.inputs, inputs)
+        ):
+            return True
+    return False
+
+
+def _deferred_reduction(outputs: list[TensorInfo], out_sbps: list[tuple], placement) -> int:
+    """What keeping the outputs partial defers: reducing them to broadcast later (plus one byte, so that on
+    equal bytes reducing now wins). A residual stream kept partial is reduced anyway by the next layer norm,
+    and again in backward for the copy autograd saved, so joining a partial only pays when nothing follows."""
+    deferred = 1
+    for info, sbp in zip(outputs, out_sbps):
+        if any(isinstance(s, Partial) for s in sbp):
+            meta = GlobalMeta(info.shape, info.dtype, placement, sbp)
+            deferred += _decision_cost(plan_boxing(meta, tuple(BROADCAST if isinstance(s, Partial) else s for s in sbp)))
+    return deferred
+
+
 def decide(func, args, kwargs) -> Decision:
     """The cached or freshly made decision for this call; raises NoSignature for the fallback."""
     key = cache_key(func, args, kwargs)
@@ -211,7 +236,9 @@ def _make_decision(func, args, kwargs) -> Decision:
             continue
         if any(tuple(o.shape) != info.shape for o, info in zip(outs, outputs)):
             continue
-        cost = sum(plan_boxing(g._meta, t).cost for g, t in zip(inputs, targets))
+        cost = sum(_decision_cost(plan_boxing(g._meta, t)) for g, t in zip(inputs, targets))
+        if _joins_partial(combo, inputs):
+            cost += _deferred_reduction(outputs, out_sbps, placement)
         changes = sum(t != g.sbp for g, t in zip(inputs, targets))
         if best is None or (cost, changes) < best[0]:
             metas = tuple(GlobalMeta(o.shape, o.dtype, placement, s) for o, s in zip(outputs, out_sbps))
@@ -219,6 +246,17 @@ def _make_decision(func, args, kwargs) -> Decision:
     if best is None:
         raise NoSignature(f"no signature of {func} fits these inputs")
     return best[1]
+
+
+def _decision_cost(plan) -> int:
+    """What boxing an input costs a decision: the plan's cost, where a reduce-scatter also counts the
+    all-gather it defers. Reducing a partial input to a split saves half an all-reduce only if what follows
+    stays split; in a model the split activation soon meets an op that needs it whole (the next layer's
+    matmul), and the pair costs the all-reduce's bytes in two calls. So a partial input is reduced to
+    broadcast, as Megatron-style tensor parallelism does, unless the op itself needs it split."""
+    return plan.cost + sum(
+        step.cost for step in plan.steps if isinstance(step.src, Partial) and isinstance(step.dst, Split)
+    )
 
 
 def _outputs_aliasing_inputs(func, args, kwargs, inputs: list[GlobalTensor]) -> list[tuple[int, int]]:

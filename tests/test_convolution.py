@@ -50,7 +50,7 @@ CASES_1D = [
     (conv2d, [IMAGES, FILTERS, BIAS], [B, S(0), S(0)], S(1), [P, S(0), S(0)]),
     (conv2d, [IMAGES, FILTERS, BIAS], [S(1), S(1), B], P, [S(1), S(1), B]),
     (conv2d, [IMAGES, FILTERS], [S(1), S(1)], P, [S(1), S(1)]),
-    (conv2d, [IMAGES, FILTERS], [P, B], P, [S(0), P]),  # backward: the partial input is reduce-scattered
+    (conv2d, [IMAGES, FILTERS], [P, B], P, [B, B]),  # backward: the partial input is all-reduced (see _decision_cost)
     (strided, [IMAGES, FILTERS, BIAS], [S(0), B, B], S(0), [S(0), P, P]),
     (strided, [IMAGES, FILTERS, BIAS], [S(1), S(1), B], P, [S(1), S(1), B]),
     (grouped, [IMAGES, GROUPED], [S(0), B], S(0), [S(0), P]),
