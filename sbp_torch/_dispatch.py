@@ -135,6 +135,9 @@ class CallPlan:
     member: bool  # this rank is in the placement
     local_shapes: tuple  # this rank's part shape of each output
     kernel_inputs: tuple  # GlobalMeta of each input in its decided layout (what a kernel is told)
+    # The common case, run by ``_run_simple``: globals only as positional arguments, none boxed, no
+    # kernel, a member rank, and one new output or the written self returned.
+    simple: bool = False
 
 
 def _compile(func, args, kwargs, decision: Decision, placement) -> CallPlan:
@@ -151,16 +154,39 @@ def _compile(func, args, kwargs, decision: Decision, placement) -> CallPlan:
         plans.append(plan if plan.steps else None)
         kernel_inputs.append(g._meta.with_sbp(target))
     coord = placement.coord_of(dist.get_rank())
+    written_slots = tuple(i for i, ((where, _), _) in enumerate(slots) if argument_name(func, where) in written)
+    f = facts(func)
+    simple = (
+        coord is not None
+        and decision.kernel is None
+        and all(index is None and not isinstance(where, str) for (where, index), _ in slots)
+        and all(p is None for p in plans)
+        and (
+            (f.returns_written and written_slots == (0,) and slots[0][0] == (0, None) and len(f.names) > 0)
+            or (not written_slots and len(decision.outputs) == 1 and len(func._schema.returns) == 1)
+        )
+    )
     return CallPlan(
         decision,
         tuple(slot for slot, _ in slots),
         tuple(plans),
-        tuple(i for i, ((where, _), _) in enumerate(slots) if argument_name(func, where) in written),
-        facts(func).returns_written,
+        written_slots,
+        f.returns_written,
         coord is not None,
         tuple(m.local_shape(coord) for m in decision.outputs),
         tuple(kernel_inputs),
+        simple,
     )
+
+
+def _run_simple(plan: CallPlan, func, args, kwargs):
+    """``_run`` for a simple plan: no boxing, no kernel, positional globals, one result."""
+    out = func(*[a._local if isinstance(a, GlobalTensor) else a for a in args], **kwargs)
+    if plan.returns_written:
+        return args[0]
+    if out.shape != plan.local_shapes[0]:
+        return _wrapped(func, out, plan, 0)  # raises, naming the layout
+    return GlobalTensor(out, plan.decision.outputs[0])
 
 
 def _local_arguments(plan: CallPlan, args, kwargs):
@@ -402,7 +428,7 @@ def _dispatch_one(func, args, kwargs):
     except TypeError:  # an unhashable argument: no caching for this call
         plan = key = None
     if plan is not None:  # the steady state of a training loop: no checks, search, flattening or planning
-        return _run(plan, func, args, kwargs)
+        return _run_simple(plan, func, args, kwargs) if plan.simple else _run(plan, func, args, kwargs)
     flat, _ = tree_flatten((args, kwargs))
     globals_ = _check_operands(func, flat)
     if _implicit[0]:
