@@ -1,0 +1,288 @@
+"""Pipeline parallelism: stages on their own placements, run by the actor runtime (``_actors``).
+
+Each stage is an ``nn.Module`` already laid out on its own placement with ``Module.to_global`` (it may be data
+or tensor parallel inside). ``Pipeline.step`` splits a batch into micro-batches and runs every micro-batch's
+forward and backward; each rank runs the actors of its own stage only:
+
+    recv activation -> forward -> send activation          (stage s, micro-batch i)
+    recv gradient   -> backward -> send gradient
+
+The forward's output register holds the micro-batch's saved activations until its backward releases them;
+its slot count is the schedule's quota (``SCHEDULES``), and the backward reads it only when it is full or
+every forward has run. So a stage runs forwards until its quota is used up, then one backward per freed slot:
+with ``m`` slots every forward comes first (GPipe), with ``p - s`` slots stage ``s`` keeps at most ``p - s``
+micro-batches in flight and alternates one forward, one backward (1F1B). No loop in this module says which
+comes next.
+
+    pipe = Pipeline([stage0, stage1], F.cross_entropy, micro_batches=8, schedule="1f1b")
+    loss = pipe.step(inputs, targets)    # gradients accumulated into the stages' parameters
+    optimizer.step()
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import _stage_transfer as transfer
+from ._actors import Actor, Pending, Register, Runtime
+from ._conversions import gradient_sbp
+from ._global_tensor import GlobalTensor
+from ._layout import GlobalMeta, normalize_sbp
+from ._sbp import Broadcast
+from ._timeline import Timeline
+
+__all__ = ["SCHEDULES", "Pipeline", "PipelineError"]
+
+# schedule -> slots of a stage's forward register (saved activations), from (stages p, stage s, micro-batches m)
+SCHEDULES = {
+    "gpipe": lambda p, s, m: m,
+    "1f1b": lambda p, s, m: min(m, p - s),
+}
+
+TRANSFER_SLOTS = 2  # activations / gradients received ahead of the actor that reads them
+_pipeline_ids = itertools.count()
+_BROADCAST = Broadcast()
+
+
+class PipelineError(RuntimeError):
+    """A stage raised on some rank; every rank of the step raises this, with that rank's error."""
+
+
+def _stage_placement(index: int, module: nn.Module):
+    """The one placement of a stage's parameters and buffers; refuses plain tensors and mixed placements."""
+    tensors = [(n, t) for n, t in itertools.chain(module.named_parameters(), module.named_buffers())]
+    if not tensors:
+        raise ValueError(f"stage {index} has no parameters or buffers to tell its placement")
+    plain = [n for n, t in tensors if not isinstance(t, GlobalTensor)]
+    if plain:
+        raise ValueError(f"stage {index}: {plain[0]!r} is not global; lay the stage out with module.to_global(placement)")
+    placements = {}
+    for name, t in tensors:
+        placements.setdefault(t.placement, name)
+    if len(placements) > 1:
+        (p, a), (q, b) = list(placements.items())[:2]
+        raise ValueError(f"stage {index} has parameters on two placements: {a!r} on {p} and {b!r} on {q}")
+    return next(iter(placements))
+
+
+def _check_placements(placements: list) -> None:
+    world = dist.get_world_size()
+    owner = {}
+    for s, p in enumerate(placements):
+        if p.type != placements[0].type:
+            raise ValueError(f"stage {s} is on {p.type} but stage 0 is on {placements[0].type}")
+        for r in p.flat_ranks:
+            if r in owner:
+                raise ValueError(f"rank {r} is in the placements of stages {owner[r]} and {s}: stages must not overlap")
+            owner[r] = s
+    idle = sorted(set(range(world)) - set(owner))
+    if idle:
+        raise ValueError(f"rank(s) {idle} of the {world}-rank world are in no stage's placement: "
+                         f"stage placements must cover every rank")
+
+
+def _part(full: torch.Tensor, meta: GlobalMeta) -> GlobalTensor:
+    """The global tensor of ``meta`` whose logical value is ``full`` (the same on every rank)."""
+    coord = meta.placement.coord_of(dist.get_rank())
+    local = full.new_empty((0,))
+    if coord is not None:
+        starts, lengths = meta.region(coord)
+        local = full
+        for d, (s, n) in enumerate(zip(starts, lengths)):
+            local = local.narrow(d, s, n)
+        local = local.contiguous()
+    return GlobalTensor(local, meta)
+
+
+class Pipeline:
+    """A training step over stages on their own placements, run by register quotas (see module docstring).
+
+    Args:
+        stages: ``nn.Module``s, each laid out on one placement with ``to_global``; disjoint placements that
+            together cover every rank of the world. Stage ``s`` feeds its output to stage ``s + 1``.
+        loss_fn: ``loss_fn(output, targets) -> scalar``, the *mean* over the micro-batch.
+        micro_batches: how many micro-batches a batch is split into (along dim 0). A batch that does not
+            divide evenly is split into parts differing by one sample, and each micro-batch's loss is
+            weighted by its size, so gradients and loss are those of the whole batch's mean loss.
+        schedule: a key of ``SCHEDULES`` ("1f1b" or "gpipe").
+        input_sbp / target_sbp: how the first stage's inputs / last stage's targets are laid out on their
+            stage's placement (default broadcast).
+
+    Every rank builds the same stages and calls ``step`` with the same batch.
+    """
+
+    def __init__(self, stages, loss_fn, micro_batches: int, schedule: str = "1f1b", *, input_sbp=None,
+                 target_sbp=None):
+        if not dist.is_initialized():
+            raise RuntimeError("Pipeline needs torch.distributed to be initialized")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {schedule!r}; known: {sorted(SCHEDULES)}")
+        if not isinstance(micro_batches, int) or micro_batches < 1:
+            raise ValueError(f"micro_batches must be a positive int, got {micro_batches!r}")
+        self.stages = list(stages)
+        self.placements = [_stage_placement(s, m) for s, m in enumerate(self.stages)]
+        _check_placements(self.placements)
+        self.loss_fn, self.micro_batches, self.schedule = loss_fn, micro_batches, schedule
+        self.input_sbp, self.target_sbp = input_sbp, target_sbp
+        me = dist.get_rank()
+        self.stage = next(s for s, p in enumerate(self.placements) if me in p)
+        self._id, self._steps, self._broken = next(_pipeline_ids), 0, None
+        self.events, self.peak_activations = [], 0
+
+    @property
+    def quota(self) -> int:
+        """Forward register slots of this rank's stage: the most micro-batches it keeps activations for."""
+        return SCHEDULES[self.schedule](len(self.stages), self.stage, self.micro_batches)
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """Forward and backward of every micro-batch of ``(inputs, targets)`` (plain tensors, the same on every
+        rank); gradients accumulate into the parameters' ``.grad``. Returns the batch's mean loss on every
+        rank. Raises ``PipelineError`` on every rank if a stage raised on any."""
+        if self._broken:
+            raise PipelineError(f"an earlier step failed ({self._broken}); build a new process group and pipeline")
+        n, m = inputs.shape[0], self.micro_batches
+        if n < m:
+            raise ValueError(f"a batch of {n} samples cannot be split into {m} micro-batches (each needs one)")
+        if targets.shape[0] != n:
+            raise ValueError(f"inputs have {n} samples but targets {targets.shape[0]}")
+        xs, ys = torch.tensor_split(inputs, m), torch.tensor_split(targets, m)
+        weights = [x.shape[0] / n for x in xs]
+        store = dist.distributed_c10d._get_default_store()
+        key = f"sbp_torch/pipeline/{self._id}/{self._steps}/error"
+        self._steps += 1
+        runtime = Runtime(check=_store_watch(store, key))
+        losses = []
+        registers = self._build(runtime, xs, ys, weights, losses)
+        failure = None
+        try:
+            runtime.run()
+        except _Stopped:
+            failure = "stopped"
+        except Exception as err:  # noqa: BLE001 - any stage error stops every rank
+            failure = err
+            store.set(key, f"stage {self.stage} on rank {dist.get_rank()} raised {type(err).__name__}: {err}\n"
+                           + "".join(traceback.format_exception(err)))
+        self.events = runtime.events
+        self.peak_activations = registers["forward"].peak
+        report = dist.get_rank() == self.placements[-1].flat_ranks[0]
+        flag = torch.tensor([sum(losses) if report and failure is None else 0.0, float(failure is not None)],
+                            dtype=torch.float64)
+        dist.all_reduce(flag)
+        if flag[1] > 0:
+            message = store.get(key).decode()
+            self._broken = message.splitlines()[0]
+            if isinstance(failure, Exception):
+                raise PipelineError(message) from failure
+            raise PipelineError(message)
+        return float(flag[0])
+
+    def timeline(self) -> Timeline:
+        """The last step's events of every rank (a collective: every rank calls it)."""
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, [(e.actor, e.kind, e.index, e.start, e.end) for e in self.events])
+        return Timeline(gathered)
+
+    def _build(self, runtime: Runtime, xs, ys, weights, losses) -> dict:
+        """This rank's actors and registers for one step; returns the registers by name."""
+        s, p, m = self.stage, len(self.stages), self.micro_batches
+        here, module = self.placements[s], self.stages[s]
+        first, last = s == 0, s == p - 1
+        forward = Register("forward", self.quota, read_when_full=True)
+        regs = {"forward": forward}
+        act_in = Register("activation in", TRANSFER_SLOTS) if not first else None
+        act_out = Register("activation out", TRANSFER_SLOTS) if not last else None
+        grad_in = Register("gradient in", TRANSFER_SLOTS) if not last else None
+        grad_out = Register("gradient out", TRANSFER_SLOTS) if not first else None
+
+        def tag(boundary: int, direction: int, i: int) -> int:
+            return ((boundary * 2 + direction) << 20) | (i << 10)
+
+        def receiving(src, boundary, direction, requires_grad):
+            def body(i, _):
+                poll = transfer.recv(src, here, tag(boundary, direction, i), requires_grad)
+                return Pending(lambda: (lambda x: None if x is None else (x,))(poll()))
+            return body
+
+        def sending(dst, boundary, direction):
+            def body(i, inputs):
+                poll = transfer.send(inputs[0], dst, tag(boundary, direction, i))
+                return Pending(lambda: () if poll() else None)
+            return body
+
+        def forward_body(i, inputs):
+            if first:
+                sbp = self.input_sbp or (_BROADCAST,) * here.ndim
+                x = _part(xs[i], GlobalMeta(tuple(xs[i].shape), xs[i].dtype, here,
+                                            normalize_sbp(sbp, here, xs[i].dim(), xs[i].dtype)))
+            else:
+                x = inputs[0]
+            y = module(x)
+            if last:
+                sbp = self.target_sbp or (_BROADCAST,) * here.ndim
+                t = _part(ys[i], GlobalMeta(tuple(ys[i].shape), ys[i].dtype, here,
+                                            normalize_sbp(sbp, here, ys[i].dim(), ys[i].dtype)))
+                loss = self.loss_fn(y, t)
+                losses.append(weights[i] * float(loss.detach().full_tensor()))
+                return ((x, loss * weights[i]),)
+            return (x, y), _sendable(y)
+
+        def backward_body(i, inputs):
+            x, y = inputs[0]
+            if last:
+                y.backward()
+            else:
+                g = inputs[1].to_global(sbp=gradient_sbp(y.sbp))
+                torch.autograd.backward(y, g)
+            if first:
+                return ()
+            grad = x.grad if x.grad is not None else torch.zeros_like(x)
+            return (_sendable(grad),)
+
+        if not first:
+            runtime.add(Actor(f"recv activation s{s}", receiving(self.placements[s - 1], s - 1, 0, True), m,
+                              outputs=[act_in], kind="transfer"))
+        if not last:
+            runtime.add(Actor(f"recv gradient s{s}", receiving(self.placements[s + 1], s, 1, False), m,
+                              outputs=[grad_in], kind="transfer"))
+            runtime.add(Actor(f"send activation s{s}", sending(self.placements[s + 1], s, 0), m,
+                              inputs=[act_out], kind="transfer"))
+        if not first:
+            runtime.add(Actor(f"send gradient s{s}", sending(self.placements[s - 1], s - 1, 1), m,
+                              inputs=[grad_out], kind="transfer"))
+        runtime.add(Actor(f"forward s{s}", forward_body, m, inputs=[act_in] if act_in else [],
+                          outputs=[forward] + ([act_out] if act_out else []), kind="forward"))
+        runtime.add(Actor(f"backward s{s}", backward_body, m, inputs=[forward] + ([grad_in] if grad_in else []),
+                          outputs=[grad_out] if grad_out else [], kind="backward"))
+        return regs
+
+
+
+def _sendable(t: GlobalTensor) -> GlobalTensor:
+    """``t`` detached, with partial axes reduced inside its stage (every rank of the stage runs this in the
+    same actor order), so that the pieces sent to the next stage do not overlap."""
+    t = t.detach()
+    sbp = transfer.without_partial(t.sbp)
+    return t if sbp == t.sbp else t.to_global(sbp=sbp)
+
+
+class _Stopped(Exception):
+    """Another rank's stage failed: leave the loop and join the step-end check."""
+
+
+def _store_watch(store, key: str, every: float = 0.01):
+    """A check for the runtime's idle loop: raises _Stopped once ``key`` is set (rate-limited)."""
+    last = [0.0]
+
+    def check():
+        now = time.perf_counter()
+        if now - last[0] >= every:
+            last[0] = now
+            if store.check([key]):
+                raise _Stopped
+    return check
