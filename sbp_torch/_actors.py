@@ -13,12 +13,13 @@ This is the core a C++ version would replace; it knows nothing of tensors, place
   are ready: transfers post their sends and receives and the loop goes on with compute meanwhile.
 * ``Runtime.run()`` is the loop of one rank: complete finished asynchronous work, then fire the first
   ready actor in the order they were added (that order is the priority), until every actor has fired its
-  count. There is no coordinator: actors on other ranks are reached only through the messages that the
+  count. When nothing is ready it sleeps until asynchronous work calls ``Runtime.notify``. There is no coordinator: actors on other ranks are reached only through the messages that the
   transfer actors' bodies exchange.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -99,12 +100,17 @@ class Event:
 class Runtime:
     """The actors of one rank and the loop that runs them."""
 
-    def __init__(self, check=None, idle_sleep: float = 2e-5):
+    def __init__(self, check=None, check_every: float = 0.01):
         self.actors: list[Actor] = []
         self.pending: list[tuple[Actor, int, float, Pending]] = []
         self.events: list[Event] = []
         self.check = check  # () -> None, called while idle; raises to stop (e.g. a failure elsewhere)
-        self.idle_sleep = idle_sleep
+        self.check_every = check_every
+        self._wakeup = threading.Event()
+
+    def notify(self) -> None:
+        """Wake the loop: some Pending may be done (thread-safe; what asynchronous work calls when it ends)."""
+        self._wakeup.set()
 
     def add(self, actor: Actor) -> Actor:
         self.actors.append(actor)
@@ -156,6 +162,7 @@ class Runtime:
             if not self.pending:
                 stuck = [f"{a.name} ({a.fired}/{a.count})" for a in self.actors if a.fired < a.count]
                 raise RuntimeError(f"actor graph is stuck: nothing ready and nothing in flight: {stuck}")
-            if self.check is not None:
+            # idle: sleep until asynchronous work ends (or check_every passes, to check for failures)
+            if not self._wakeup.wait(self.check_every) and self.check is not None:
                 self.check()
-            time.sleep(self.idle_sleep)
+            self._wakeup.clear()

@@ -50,7 +50,7 @@ def _parse_header(buf: torch.Tensor):
     return tuple(shape), getattr(torch, dtype.removeprefix("torch.")), sbp
 
 
-def _in_background(fn):
+def _in_background(fn, notify):
     """Run ``fn`` on a daemon thread; returns a poll: None until it ended, then its result (re-raising its
     error). gloo's point-to-point work reports completion only through ``wait()``, which releases the GIL, so
     a waiting thread per transfer lets the actor loop go on with compute meanwhile."""
@@ -61,12 +61,13 @@ def _in_background(fn):
             box["value"] = fn()
         except BaseException as err:  # noqa: BLE001 - handed to the loop
             box["error"] = err
+        box["done"] = True
+        notify()
 
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
+    threading.Thread(target=target, daemon=True).start()
 
     def poll():
-        if thread.is_alive():
+        if "done" not in box:
             return None
         if "error" in box:
             raise box["error"]
@@ -75,9 +76,9 @@ def _in_background(fn):
     return poll
 
 
-def send(x: GlobalTensor, dst_placement, tag: int):
+def send(x: GlobalTensor, dst_placement, tag: int, notify):
     """Post this rank's pieces of ``x`` (no partial axes) towards ``dst_placement``; returns a poll:
-    ``() -> True`` once every send completed. ``tag`` .. ``tag + pieces`` are used."""
+    ``() -> True`` once every send completed (``notify()`` is called then). ``tag`` .. ``tag + pieces`` are used."""
     me, meta = dist.get_rank(), x._meta
     works = []
     if me == meta.placement.flat_ranks[0]:
@@ -90,7 +91,7 @@ def send(x: GlobalTensor, dst_placement, tag: int):
     for i, piece in enumerate(plan.pieces):
         if piece.src == me:
             works.append(dist.isend(_cut(x._local, origin, piece).contiguous(), piece.dst, tag=tag + 1 + i))
-    return _in_background(lambda: [w.wait() for w in works] and True or True)
+    return _in_background(lambda: [w.wait() for w in works] and True or True, notify)
 
 
 def _receiver_sbp(src_sbp: tuple, dst_placement) -> tuple:
@@ -100,7 +101,7 @@ def _receiver_sbp(src_sbp: tuple, dst_placement) -> tuple:
     return (BROADCAST,) * dst_placement.ndim
 
 
-def recv(src_placement, dst_placement, tag: int, requires_grad: bool):
+def recv(src_placement, dst_placement, tag: int, requires_grad: bool, notify):
     """Post the receives of a tensor sent by ``send`` from ``src_placement``; returns a poll:
     ``() -> GlobalTensor`` on ``dst_placement`` (a leaf) once it has arrived, None before."""
     me = dist.get_rank()
@@ -125,7 +126,7 @@ def recv(src_placement, dst_placement, tag: int, requires_grad: bool):
                     view.copy_(buf)
         return out, dst
 
-    done = _in_background(receive)
+    done = _in_background(receive, notify)
 
     def poll():
         result = done()

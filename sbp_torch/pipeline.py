@@ -22,7 +22,6 @@ comes next.
 from __future__ import annotations
 
 import itertools
-import time
 import traceback
 
 import torch
@@ -205,13 +204,13 @@ class Pipeline:
 
         def receiving(src, boundary, direction, requires_grad):
             def body(i, _):
-                poll = transfer.recv(src, here, tag(boundary, direction, i), requires_grad)
+                poll = transfer.recv(src, here, tag(boundary, direction, i), requires_grad, runtime.notify)
                 return Pending(lambda: (lambda x: None if x is None else (x,))(poll()))
             return body
 
         def sending(dst, boundary, direction):
             def body(i, inputs):
-                poll = transfer.send(inputs[0], dst, tag(boundary, direction, i))
+                poll = transfer.send(inputs[0], dst, tag(boundary, direction, i), runtime.notify)
                 return Pending(lambda: () if poll() else None)
             return body
 
@@ -275,14 +274,9 @@ class _Stopped(Exception):
     """Another rank's stage failed: leave the loop and join the step-end check."""
 
 
-def _store_watch(store, key: str, every: float = 0.01):
-    """A check for the runtime's idle loop: raises _Stopped once ``key`` is set (rate-limited)."""
-    last = [0.0]
-
+def _store_watch(store, key: str):
+    """A check for the runtime's idle loop: raises _Stopped once ``key`` is set."""
     def check():
-        now = time.perf_counter()
-        if now - last[0] >= every:
-            last[0] = now
-            if store.check([key]):
-                raise _Stopped
+        if store.check([key]):
+            raise _Stopped
     return check
