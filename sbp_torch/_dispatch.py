@@ -307,7 +307,8 @@ class ForeachPlan:
     """A foreach call each of whose indices runs on its local parts as they are (no boxing, no kernel): the
     whole call runs as one local foreach call, as torch's optimizers expect for speed."""
 
-    slots: tuple  # where the global tensors sit in the arguments
+    lists: tuple  # positions of the arguments that are lists of global tensors
+    singles: tuple  # positions of the arguments that are one global tensor
     outputs: tuple  # per index, the GlobalMeta of its output (ops that return new tensors)
     local_shapes: tuple
 
@@ -332,9 +333,13 @@ def _run_foreach(func, args, kwargs):
         index_plans.append(_cached_plan(func, one_args, one_kwargs) if has_global else None)
     if key is not None and hashable(key) and all(_runs_as_is(p) for p in index_plans):
         outputs = tuple(p.decision.outputs[0] for p in index_plans) if facts(func).returns_tensors else ()
-        _foreach_plans[(func, key)] = ForeachPlan(
-            tuple(slot for slot, _ in global_slots(args, kwargs)), outputs, tuple(m.local_shape(
-                m.placement.coord_of(dist.get_rank())) for m in outputs))
+        slots = [slot for slot, _ in global_slots(args, kwargs)]
+        if all(not isinstance(where, str) for where, _ in slots):  # globals passed by keyword: stay per index
+            lists = tuple(sorted({where for where, index in slots if index is not None}))
+            singles = tuple(where for where, index in slots if index is None)
+            if all(all(isinstance(t, GlobalTensor) for t in args[where]) for where in lists):
+                shapes = tuple(m.local_shape(m.placement.coord_of(dist.get_rank())) for m in outputs)
+                _foreach_plans[(func, key)] = ForeachPlan(lists, singles, outputs, shapes)
     if not func._schema.returns:
         return None
     return [r[0] for r in results]
@@ -358,17 +363,12 @@ def _runs_as_is(plan: CallPlan | None) -> bool:
 
 
 def _run_foreach_plan(plan: ForeachPlan, func, args, kwargs):
-    local_args, local_kwargs = list(args), dict(kwargs) if kwargs else kwargs
-    copied = set()
-    for where, index in plan.slots:
-        holder = local_kwargs if isinstance(where, str) else local_args
-        if index is None:
-            holder[where] = holder[where]._local
-            continue
-        if where not in copied:
-            holder[where] = list(holder[where])
-            copied.add(where)
-        holder[where][index] = holder[where][index]._local
+    local_args = list(args)
+    for where in plan.lists:
+        local_args[where] = [t._local for t in args[where]]
+    for where in plan.singles:
+        local_args[where] = args[where]._local
+    local_kwargs = kwargs
     out = func(*local_args, **local_kwargs)
     if not plan.outputs:
         return None if not func._schema.returns else out

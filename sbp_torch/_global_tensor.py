@@ -9,6 +9,9 @@ import torch
 from ._layout import GlobalMeta
 
 
+_without_torch_function = torch._C._disabled_torch_function_impl
+
+
 @functools.lru_cache(maxsize=4096)
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     strides, step = [], 1
@@ -53,22 +56,24 @@ class GlobalTensor(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         # Everything goes to __torch_dispatch__ below autograd, except batched matmuls, which torch would
-        # flatten in a way that loses a split of the heads dim (see _batched_matmul.py).
-        kwargs = kwargs or {}
-        if _batched_matmul.applies(func, args, kwargs):
+        # flatten in a way that loses a split of the heads dim (see _batched_matmul.py). The rest runs with
+        # torch functions off, through torch's own C++ helper (cheaper than a context manager per call).
+        if func in _batched_matmul.MATMUL_FUNCS and _batched_matmul.applies(func, args, kwargs or {}):
             return _batched_matmul.BatchedMatmul.apply(*args)
-        with torch._C.DisableTorchFunctionSubclass():
-            try:
-                return func(*args, **kwargs)
-            except RuntimeError as err:
-                if "data is not allocated" not in str(err):
-                    raise
-                # A C++ composite read the wrapper's own storage, which is empty (tensor_split's index tensor)
-                raise TypeError(
-                    f"{getattr(func, '__name__', func)} reads the values of a global tensor argument directly, "
-                    "which sbp_torch cannot intercept; pass that argument as a Python list or a plain tensor "
-                    "(full_tensor())"
-                ) from err
+        try:
+            # (kwargs=None reaches getters such as Tensor.dtype as keyword arguments: leave it out instead)
+            if kwargs:
+                return _without_torch_function(func, types, args, kwargs)
+            return _without_torch_function(func, types, args)
+        except RuntimeError as err:
+            if "data is not allocated" not in str(err):
+                raise
+            # A C++ composite read the wrapper's own storage, which is empty (tensor_split's index tensor)
+            raise TypeError(
+                f"{getattr(func, '__name__', func)} reads the values of a global tensor argument directly, "
+                "which sbp_torch cannot intercept; pass that argument as a Python list or a plain tensor "
+                "(full_tensor())"
+            ) from err
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):

@@ -59,6 +59,11 @@ BROADCAST = Broadcast()
 
 
 def _key_of(value, is_scalar: bool):
+    kind = type(value)
+    if kind is GlobalTensor:
+        return value._meta
+    if kind is list or kind is tuple:  # lists of global tensors (cat, foreach ops) take the short way
+        return (kind, tuple([v._meta if type(v) is GlobalTensor else _key_of(v, is_scalar) for v in value]))
     if isinstance(value, GlobalTensor):
         return value._meta
     if isinstance(value, torch.Tensor):

@@ -127,6 +127,19 @@ def _step(at: GlobalMeta, axis: int, t: SbpType) -> BoxingStep:
     return BoxingStep(axis, s, t, row.collective, sent, sent + ranks * LATENCY_BYTES_PER_RANK)
 
 
+def _direct(meta: GlobalMeta, start: tuple, goal: tuple) -> tuple | None:
+    """The plan without a search where it is known to be the search's answer: nothing to do, or one axis to
+    move (not between two partial ops) on a 1-D placement, where the direct row is the only single step and
+    any detour adds a collective."""
+    changed = [a for a, (s, t) in enumerate(zip(start, goal)) if s != t]
+    if not changed:
+        return ()
+    axis = changed[0]
+    if len(start) == 1 and not (isinstance(start[axis], Partial) and isinstance(goal[axis], Partial)):
+        return (_step(meta, axis, goal[axis]),)
+    return None
+
+
 @lru_cache(maxsize=4096)
 def plan_boxing(meta: GlobalMeta, dst_sbp: tuple[SbpType, ...]) -> BoxingPlan:
     """The plan that takes a global tensor of ``meta`` to ``dst_sbp`` on the same placement (both validated):
@@ -134,6 +147,9 @@ def plan_boxing(meta: GlobalMeta, dst_sbp: tuple[SbpType, ...]) -> BoxingPlan:
     over the N-D layouts. Each step moves one axis by a row of the 1-D table and must commute with the
     later axes. Neighbours are tried in a fixed order, so every rank finds the same plan."""
     start, goal = tuple(meta.sbp), tuple(dst_sbp)
+    direct = _direct(meta, start, goal)
+    if direct is not None:
+        return BoxingPlan(meta, dst_sbp, direct)
     candidates = _candidates(meta, goal)
     best = {start: (0, 0)}
     came_from: dict = {}
