@@ -13,6 +13,7 @@ every rank of the stage reaches in the same order) before it is sent, so pieces 
 
 from __future__ import annotations
 
+import functools
 import pickle
 import threading
 
@@ -50,6 +51,12 @@ def _parse_header(buf: torch.Tensor):
     return tuple(shape), getattr(torch, dtype.removeprefix("torch.")), sbp
 
 
+@functools.lru_cache(maxsize=256)
+def _plan(src: GlobalMeta, dst: GlobalMeta):
+    """The cross-placement plan, cached: a pipeline moves the same few layouts every micro-batch."""
+    return plan_cross(src, dst)
+
+
 def _in_background(fn, notify):
     """Run ``fn`` on a daemon thread; returns a poll: None until it ended, then its result (re-raising its
     error). gloo's point-to-point work reports completion only through ``wait()``, which releases the GIL, so
@@ -85,7 +92,7 @@ def send(x: GlobalTensor, dst_placement, tag: int, notify):
         header = _header(meta)
         works += [dist.isend(header, r, tag=tag) for r in dst_placement.flat_ranks]
     dst = GlobalMeta(meta.shape, meta.dtype, dst_placement, _receiver_sbp(meta.sbp, dst_placement))
-    plan = plan_cross(meta, dst)
+    plan = _plan(meta, dst)
     coord = meta.placement.coord_of(me)
     origin = _box(meta, coord)[0]
     for i, piece in enumerate(plan.pieces):
@@ -116,7 +123,7 @@ def recv(src_placement, dst_placement, tag: int, requires_grad: bool, notify):
         coord = dst_placement.coord_of(me)
         out = torch.empty(dst.local_shape(coord), dtype=dtype)
         origin = _box(dst, coord)[0]
-        for i, piece in enumerate(plan_cross(src, dst).pieces):
+        for i, piece in enumerate(_plan(src, dst).pieces):
             if piece.dst == me:
                 # received straight into the destination part when the piece is a contiguous view of it
                 view = _cut(out, origin, piece)
