@@ -1,0 +1,185 @@
+"""Pipeline schedules on a synthetic workload: bubbles against theory, activations in flight, transfer overlap.
+
+Each stage is one rank whose forward and backward sleep a fixed time (``FORWARD_S``, ``BACKWARD_S``), so the
+stages are equal and the measurement is the runtime's scheduling, not arithmetic on two shared cores.
+
+* **Bubble fraction**: ``1 - busy / span`` per rank, averaged over ranks, where ``busy`` is the time the
+  rank's forward and backward actors ran and ``span`` the step from the first to the last actor event of
+  any rank (the timeline). Theory for both schedules: ``(p - 1) / (m + p - 1)``.
+* **Peak activations**: the most micro-batches whose forward register slot was held at once, per stage.
+* **Transfer overlap**: the step time when each stage sends an activation (and receives a gradient of the
+  same size) whose point-to-point transfer alone takes ``OVERLAP_SHARE`` of a forward, against the same
+  step with tiny activations.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import sbp_torch as st
+from benchmarks.harness import markdown_table
+from sbp_torch.pipeline import Pipeline
+
+TITLE = "Pipeline schedules: bubbles, activations in flight, transfer overlap"
+WORLDS = [2, 4]
+FORWARD_S, BACKWARD_S = 0.02, 0.02
+OVERLAP_SHARE = 0.3
+
+
+class _Sleep(torch.autograd.Function):
+    """Sleeps, passes its input on (a view: no arithmetic on large activations, so that the overlap
+    measurement sees the transfer, not the copies); its parameter input makes every stage's backward run."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        time.sleep(FORWARD_S)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(BACKWARD_S)
+        return g, None
+
+
+class SleepStage(nn.Module):
+    """A stage whose forward and backward take fixed times; one scalar parameter tells its placement."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        return _Sleep.apply(x, self.scale)
+
+
+def _loss(y, t):
+    """One element of the output: its backward fills a zero gradient, and no arithmetic scans the tensor."""
+    return y.reshape(-1)[0]
+
+
+def _pipeline(world: int, m: int, schedule: str) -> Pipeline:
+    stages = [SleepStage().to_global(st.placement("cpu", [r])) for r in range(world)]
+    return Pipeline(stages, _loss, m, schedule)
+
+
+def _step_time(pipe: Pipeline, batch: torch.Tensor) -> tuple[float, object]:
+    """(span of the step's actor events in seconds, timeline) for one step."""
+    dist.barrier()
+    pipe.step(batch, batch)
+    timeline = pipe.timeline()
+    events = [e for ev in timeline.ranks for e in ev]
+    return max(e[4] for e in events) - min(e[3] for e in events), timeline
+
+
+def _transfer_seconds(numel: int, repeats: int = 5) -> float:
+    """Median time to send ``numel`` float32 from rank 0 to rank 1 (a round trip halved)."""
+    buf, times = torch.ones(numel), []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        if dist.get_rank() == 0:
+            dist.send(buf, 1)
+            dist.recv(buf, 1)
+        elif dist.get_rank() == 1:
+            dist.recv(buf, 0)
+            dist.send(buf, 0)
+        times.append((time.perf_counter() - start) / 2)
+    t = torch.tensor([statistics.median(times) if dist.get_rank() < 2 else 0.0])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _calibrate(target_s: float) -> int:
+    """Elements per micro-batch whose transfer takes about ``target_s``."""
+    numel = 1 << 16
+    for _ in range(6):
+        took = _transfer_seconds(numel)
+        numel = max(1024, int(numel * target_s / max(took, 1e-6)))
+    return numel
+
+
+def measure(world: int, quick: bool) -> list[dict]:
+    rows = []
+    repeats = 1 if quick else 3
+    for schedule in ["gpipe", "1f1b"]:
+        for m in [4, 8] if quick else [4, 8, 16, 32]:
+            pipe = _pipeline(world, m, schedule)
+            batch = torch.ones(m, 4)
+            pipe.step(batch, batch)  # warm-up
+            bubbles, peaks = [], []
+            for _ in range(repeats):
+                span, timeline = _step_time(pipe, batch)
+                bubbles.append(statistics.mean(1 - timeline.busy_fraction(r) for r in range(world)))
+                peak = torch.tensor([pipe.peak_activations])
+                gathered = [torch.zeros(1, dtype=torch.long) for _ in range(world)]
+                dist.all_gather(gathered, peak)
+                peaks.append([int(t) for t in gathered])
+            rows.append({"kind": "bubble", "p": world, "m": m, "schedule": schedule,
+                         "bubble": statistics.median(bubbles), "theory": (world - 1) / (m + world - 1),
+                         "peak_activations": [max(col) for col in zip(*peaks)]})
+            if m == 8 and dist.get_rank() == 0 and schedule == "1f1b":
+                timeline.write_png(f"docs/benchmarks/pipeline_timeline_p{world}.png",
+                                   f"1F1B, p={world}, m={m}: forward {FORWARD_S * 1e3:g} ms, "
+                                   f"backward {BACKWARD_S * 1e3:g} ms per micro-batch")
+    numel = _calibrate(OVERLAP_SHARE * FORWARD_S)
+    transfer = _transfer_seconds(numel)
+    for schedule in ["gpipe", "1f1b"]:
+        for m in [8] if quick else [8, 16]:
+            pipe = _pipeline(world, m, schedule)
+            times = {}
+            for name, cols in [("tiny", 4), ("large", numel)]:
+                batch = torch.ones(m, cols)
+                pipe.step(batch, batch)
+                times[name] = statistics.median(_step_time(pipe, batch)[0] for _ in range(repeats))
+            rows.append({"kind": "overlap", "p": world, "m": m, "schedule": schedule, "numel": numel,
+                         "transfer_s": transfer, "forward_s": FORWARD_S, "tiny_s": times["tiny"],
+                         "large_s": times["large"], "increase": times["large"] / times["tiny"] - 1})
+    return rows
+
+
+def report(rows: list[dict]) -> str:
+    bubbles = [r for r in rows if r["kind"] == "bubble"]
+    table = markdown_table(
+        ["p", "m", "schedule", "bubble (measured)", "(p-1)/(m+p-1)", "difference", "peak activations per stage"],
+        [[r["p"], r["m"], r["schedule"], f"{r['bubble']:.3f}", f"{r['theory']:.3f}",
+          f"{r['bubble'] - r['theory']:+.3f}", ", ".join(map(str, r["peak_activations"]))] for r in bubbles])
+    overlap = markdown_table(
+        ["p", "m", "schedule", "transfer / forward", "step, tiny activations", "step, large activations",
+         "increase"],
+        [[r["p"], r["m"], r["schedule"], f"{r['transfer_s'] / r['forward_s']:.2f}", f"{r['tiny_s'] * 1e3:.1f} ms",
+          f"{r['large_s'] * 1e3:.1f} ms", f"{r['increase'] * 100:+.1f}%"] for r in rows if r["kind"] == "overlap"])
+    worst = max(abs(r["bubble"] - r["theory"]) for r in bubbles)
+    return (f"Stages sleep {FORWARD_S * 1e3:g} ms forward and {BACKWARD_S * 1e3:g} ms backward per micro-batch, "
+            f"one rank per stage. Largest distance from theory: {worst:.3f} (target 0.05).\n\n{table}\n\n"
+            f"Transfer overlap: each activation and gradient is a float32 tensor whose send alone takes the "
+            f"share of a forward in the first column (target: < 10% longer steps at 0.3).\n\n{overlap}\n\n"
+            "1F1B timelines (m = 8), drawn by `Pipeline.timeline().write_png`:\n\n"
+            "![p=2](pipeline_timeline_p2.png)\n\n![p=4](pipeline_timeline_p4.png)\n")
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for p, color in [(2, "#4c72b0"), (4, "#dd8452")]:
+        for schedule, marker in [("gpipe", "o"), ("1f1b", "x")]:
+            pts = [r for r in rows if r["kind"] == "bubble" and r["p"] == p and r["schedule"] == schedule]
+            ax.plot([r["m"] for r in pts], [r["bubble"] for r in pts], marker, color=color,
+                    label=f"p={p} {schedule}")
+        ms = sorted({r["m"] for r in rows if r["kind"] == "bubble"})
+        ax.plot(ms, [(p - 1) / (m + p - 1) for m in ms], "-", color=color, alpha=0.5, label=f"p={p} theory")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("micro-batches m")
+    ax.set_ylabel("bubble fraction")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
