@@ -22,7 +22,7 @@ import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(REPO, "docs", "benchmarks")
-SUITES = ["dispatch", "boxing", "optimizer", "train"]
+SUITES = ["dispatch", "boxing", "optimizer", "train", "pipeline"]
 
 
 def _suite(name: str):
