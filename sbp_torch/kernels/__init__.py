@@ -1,0 +1,14 @@
+"""Fused transformer kernels as ``torch.library`` custom ops (``torch.ops.sbp_torch.*``).
+
+Each op has a pure-PyTorch reference implementation (the one that runs on CPU, equal to the unfused
+expression it replaces), a fake implementation for tracing, an autograd formula, and an SBP rule
+(``sbp_torch/_signatures/kernels.py``) so it runs on global tensors. See docs/kernels.md.
+"""
+
+from ._bias_dropout_add import bias_dropout_add
+from ._bias_gelu import bias_gelu
+from ._cross_entropy import cross_entropy
+from ._norms import layer_norm, rms_norm
+from ._softmax import scale_mask_softmax
+
+__all__ = ["bias_dropout_add", "bias_gelu", "cross_entropy", "layer_norm", "rms_norm", "scale_mask_softmax"]

@@ -1,0 +1,84 @@
+"""``bias_dropout_add(x, bias, residual, p)``: ``dropout(x + bias, p) + residual`` as one op.
+
+The dropout mask follows the project's randomness rule (``sbp_torch._random``): element ``i`` is kept when
+the ``i``-th uniform draw of a fresh random tensor of the logical shape is ``< 1 - p``, so the logical result
+does not depend on how the tensor is split (CPU: ``torch.rand`` of the logical shape; CUDA: offset-based
+Philox). The op returns ``(out, mask)``; the mask is kept for the backward.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from .._random import random_region
+from ._library import check_last_dim_param, leading_dims
+
+
+def draw_keep(shape, dtype, device, p: float, starts=None, lengths=None, meta=None) -> torch.Tensor:
+    """The keep mask (``u < 1 - p``) of the region ``starts``/``lengths`` of a logical ``shape`` (whole
+    tensor by default); advances the generator as one draw of the logical shape."""
+    if meta is None:
+        meta = SimpleNamespace(shape=tuple(shape), dtype=dtype, numel=int(torch.Size(shape).numel()))
+    if starts is None:
+        starts, lengths = (0,) * len(shape), tuple(shape)
+    return random_region("uniform", meta, starts, lengths, device) < 1.0 - p
+
+
+def apply_mask(x, bias, residual, keep, p: float) -> torch.Tensor:
+    scale = 0.0 if p >= 1.0 else 1.0 / (1.0 - p)
+    return (x + bias) * keep * scale + residual
+
+
+def draws(p: float, training: bool) -> bool:
+    return training and p > 0.0
+
+
+@torch.library.custom_op("sbp_torch::bias_dropout_add", mutates_args=())
+def bias_dropout_add_op(
+    x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, p: float, training: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if not draws(p, training):
+        return x + bias + residual, torch.ones_like(x, dtype=torch.bool)
+    keep = draw_keep(x.shape, x.dtype, x.device, p)
+    return apply_mask(x, bias, residual, keep, p), keep
+
+
+@bias_dropout_add_op.register_fake
+def _(x, bias, residual, p, training):
+    return torch.empty_like(x), torch.empty_like(x, dtype=torch.bool)
+
+
+def _setup(ctx, inputs, output):
+    x, _, _, p, training = inputs
+    ctx.save_for_backward(output[1])
+    ctx.scale = (0.0 if p >= 1.0 else 1.0 / (1.0 - p)) if draws(p, training) else 1.0
+    ctx.x_dims = leading_dims(x)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _backward(ctx, grad, _grad_mask):
+    (keep,) = ctx.saved_tensors
+    grad_x = grad * keep * ctx.scale
+    return grad_x, grad_x.sum(ctx.x_dims), grad, None, None
+
+
+bias_dropout_add_op.register_autograd(_backward, setup_context=_setup)
+
+
+def bias_dropout_add(x, bias, residual, p: float, training: bool = True) -> torch.Tensor:
+    """``F.dropout(x + bias, p, training) + residual`` with the project's layout-independent mask.
+
+    Args:
+        x, residual: ``[..., H]``, the same shape.
+        bias: ``[H]``.
+        p: drop probability in ``[0, 1]``.
+        training: without it (or with ``p == 0``) no mask is drawn and the generator does not advance.
+    """
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"bias_dropout_add: p must be in [0, 1], got {p}")
+    if residual.shape != x.shape:
+        raise ValueError(f"bias_dropout_add: residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+    check_last_dim_param("bias_dropout_add", x, bias)
+    return bias_dropout_add_op(x, bias, residual, float(p), bool(training))[0]
