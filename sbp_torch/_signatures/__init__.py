@@ -6,6 +6,7 @@ from . import (  # noqa: F401  (registration by import)
     factory,
     foreach,
     indexing,
+    kernels,
     matmul,
     normalization,
     pointwise,

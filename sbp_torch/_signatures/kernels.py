@@ -1,0 +1,162 @@
+"""The fused custom ops of ``sbp_torch.kernels`` (``torch.ops.sbp_torch.*``).
+
+    bias_gelu(x[..., H], bias[H])         S(d)·B → S(d) for d < last;  S(last)·S(0) → S(last);  B·B → B
+    bias_dropout_add(x, bias, residual)   the same with the residual laid out as x → (out, mask); kernel
+                                          "random" draws this rank's region of the logical mask
+    scale_mask_softmax(x, mask)           S(d) on every dim but the last (and, causal, but the query dim),
+                                          the mask split along where it has that dim, else B
+    layer_norm / rms_norm(x, w[, b])      S(d)·B(·B) → S(d) for d < last
+    cross_entropy(logits[N, C], target)   rows: S(0)·S(0) → loss S(0) (none) or P (sum, mean), lse S(0);
+                                          vocabulary: S(1)·B → loss B, lse B, kernel "ce": the local
+                                          max and sum-exp are all-reduced as a max and a sum (the pick
+                                          of the target logit as a sum), never the logits
+    cross_entropy_backward                rows: S(0) everywhere (grad B unless none) → S(0); vocabulary:
+                                          B·S(1)·B·B → S(1), kernel "ce" (the one-hot part is local)
+
+Every op has B everywhere → B. The backward of the other ops is made of aten ops with their own rules.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .. import _collectives as coll
+from .._layout import GlobalMeta
+from .._process_groups import axis_group
+from .._sbp import Split
+from ..kernels import _bias_dropout_add as bda
+from ..kernels import _cross_entropy as ce
+from ..kernels._library import REDUCTIONS
+from .core import B, P, KernelContext, OpCall, S, Signature, register
+from .pointwise import operand_sbp
+
+ops = torch.ops.sbp_torch
+RANDOM, CE = "random", "ce"
+
+
+def _feature_signatures(call: OpCall, params: int, extra=(), kernel=None, last=True) -> list[Signature]:
+    """x split on a dim: per-feature parameters B (split with x on the last dim if ``last``); ``extra``
+    inputs laid out as x; outputs as x."""
+    x = call.inputs[0]
+    signatures = []
+    for d in range(x.ndim):
+        if d == x.ndim - 1 and not last:
+            continue
+        param = S(0) if d == x.ndim - 1 else B
+        signatures.append(Signature((S(d),) + (param,) * params + (S(d),) * len(extra), (S(d),) * len(call.outputs), kernel))
+    return signatures + [Signature((B,) * len(call.inputs), (B,) * len(call.outputs), kernel)]
+
+
+@register(ops.bias_gelu)
+def bias_gelu(call: OpCall) -> list[Signature]:
+    return _feature_signatures(call, 1)
+
+
+def _region(ctx: KernelContext, meta: GlobalMeta):
+    return meta.region(ctx.placement.coord_of(dist.get_rank()))
+
+
+def _mask_meta(ctx: KernelContext, dtype) -> GlobalMeta:
+    out = ctx.outputs[1]
+    return GlobalMeta(out.shape, dtype, ctx.placement, out.sbp)
+
+
+def _bias_dropout_add(func, ctx: KernelContext, args, kwargs):
+    x, bias, residual, p, training = args
+    if not bda.draws(p, training):
+        return x + bias + residual, torch.ones_like(x, dtype=torch.bool)
+    meta = _mask_meta(ctx, x.dtype)
+    starts, lengths = _region(ctx, meta)
+    keep = bda.draw_keep(meta.shape, x.dtype, x.device, p, starts, lengths, meta=meta)
+    return bda.apply_mask(x, bias, residual, keep, p), keep
+
+
+def _advance_outside(func, ctx: KernelContext, a: dict) -> None:
+    """Ranks outside the placement advance their generator as the ranks inside do."""
+    if bda.draws(a["p"], a["training"]):
+        meta = _mask_meta(ctx, a["x"].dtype)
+        bda.draw_keep(meta.shape, meta.dtype, ctx.placement.device(), a["p"], None, None, meta=meta)
+
+
+@register(ops.bias_dropout_add, kernels={RANDOM: _bias_dropout_add}, outside=_advance_outside)
+def bias_dropout_add(call: OpCall) -> list[Signature]:
+    return _feature_signatures(call, 1, extra=("residual",), kernel=RANDOM)
+
+
+@register(ops.scale_mask_softmax)
+def scale_mask_softmax(call: OpCall) -> list[Signature]:
+    x, operands = call.inputs[0], call.inputs[1:]
+    causal = call.bound.get("causal", False)
+    signatures = [
+        Signature((S(d),) + tuple(operand_sbp(x.shape, m, d) for m in operands), (S(d),))
+        for d in range(x.ndim - 1)
+        if not (causal and d == x.ndim - 2)  # the causal mask needs the global query index
+    ]
+    return signatures + [Signature((B,) * len(call.inputs), (B,))]
+
+
+@register(ops.layer_norm, ops.rms_norm)
+def norms(call: OpCall) -> list[Signature]:
+    return _feature_signatures(call, len(call.inputs) - 1, last=False)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# cross entropy
+
+
+def _all_reduce(x, op, ctx, axes):
+    for axis in axes:
+        x = coll.all_reduce(x, op, axis_group(ctx.placement, axis))
+    return x
+
+
+def _axes(ctx: KernelContext, logits: GlobalMeta, dim: int) -> list[int]:
+    return [a for a in ctx.kernel_axes if isinstance(s := logits.sbp[a], Split) and s.dim == dim]
+
+
+def _ce_forward(func, ctx: KernelContext, args, kwargs):
+    """Row-split axes: local rows, mean divided by the count over them; class-split axes: local max and
+    sum-exp and the picked logit combined by all-reduces of one number per row."""
+    logits, target, ignore_index, reduction = args
+    layout = ctx.inputs[0]
+    class_axes, row_axes = _axes(ctx, layout, 1), _axes(ctx, layout, 0)
+    first = _region(ctx, layout)[0][1]
+    m, s = ce.max_and_sum_exp(logits)
+    m_all = _all_reduce(m, "max", ctx, class_axes)
+    safe = torch.where(torch.isinf(m_all), 0.0, m_all)
+    s_all = _all_reduce(s * torch.exp(m - safe), "sum", ctx, class_axes)
+    lse = m_all + s_all.log()
+    pick = _all_reduce(ce.picked(logits, target, first), "sum", ctx, class_axes)
+    kept = target != ignore_index
+    count = _all_reduce(kept.sum(), "sum", ctx, row_axes)
+    return ce.reduce_loss(lse - pick, kept, reduction, count), lse
+
+
+def _ce_backward(func, ctx: KernelContext, args, kwargs):
+    grad, logits, target, lse, ignore_index, reduction = args
+    layout = ctx.inputs[1]
+    first = _region(ctx, layout)[0][1]
+    kept = target != ignore_index
+    count = _all_reduce(kept.sum(), "sum", ctx, _axes(ctx, layout, 0))
+    return ce.softmax_minus_onehot(logits, target, lse, ce.row_weights(grad, kept, reduction, count), first)
+
+
+@register(ops.cross_entropy, kernels={CE: _ce_forward})
+def cross_entropy(call: OpCall) -> list[Signature]:
+    loss = S(0) if call.bound["reduction"] == REDUCTIONS["none"] else P
+    return [
+        Signature((S(0), S(0)), (loss, S(0)), CE),
+        Signature((S(1), B), (B, B), CE),
+        Signature((B, B), (B, B)),
+    ]
+
+
+@register(ops.cross_entropy_backward, kernels={CE: _ce_backward})
+def cross_entropy_backward(call: OpCall) -> list[Signature]:
+    grad = S(0) if call.bound["reduction"] == REDUCTIONS["none"] else B
+    return [
+        Signature((grad, S(0), S(0), S(0)), (S(0),), CE),
+        Signature((B, S(1), B, B), (S(1),), CE),
+        Signature((B, B, B, B), (B,)),
+    ]
