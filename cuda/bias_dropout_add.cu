@@ -5,6 +5,7 @@
 // `first_index` plus the row-major position inside the local block gives i only for regions that are whole
 // rows of the logical tensor; other regions pass their logical indices in `indices`.
 #include "common.cuh"
+#include "entry_points.h"
 
 namespace sbp_kernels {
 

@@ -1,6 +1,7 @@
 // bias_gelu: y = gelu(x + bias[col]) over rows of `cols` features; backward gives d(x + bias).
 // The bias gradient (a column sum of grad_x) is left to the caller's reduction.
 #include "common.cuh"
+#include "entry_points.h"
 
 namespace sbp_kernels {
 

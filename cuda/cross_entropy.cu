@@ -4,6 +4,7 @@
 // `first_class` is the first class held here (vocabulary-parallel: targets outside the slice pick nothing;
 // the caller combines the per-rank max / sum-exp / picked logit across ranks before the loss).
 #include "common.cuh"
+#include "entry_points.h"
 
 namespace sbp_kernels {
 

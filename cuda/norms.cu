@@ -2,6 +2,7 @@
 // Forward writes y and the per-row mean (layer norm) and rstd for the backward; backward writes dx per row
 // and, per row, g * x_hat into `partial_w` (and g into `partial_b`) for the caller to sum over rows.
 #include "common.cuh"
+#include "entry_points.h"
 
 namespace sbp_kernels {
 

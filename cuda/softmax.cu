@@ -2,6 +2,7 @@
 // rows repeat every `mask_rows` rows: a broadcast mask) or, causal, key j > query (row % queries) excluded.
 // One block per row, three passes over the row (max, sum, write); backward: dx = scale * y * (g - sum(g * y)).
 #include "common.cuh"
+#include "entry_points.h"
 
 namespace sbp_kernels {
 
