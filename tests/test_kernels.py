@@ -205,3 +205,43 @@ def kernels_on_world(n):
 @pytest.mark.parametrize("n", [2, 3])
 def test_kernels_on_global_tensors(n):
     run_on_world(n, kernels_on_world, n)
+
+
+def vocab_parallel_moves_no_logits(mesh_ranks, logits_sbp, target_sbp):
+    """Cross entropy on logits split over the vocabulary (and, on a mesh, the rows too), forward and backward
+    in strict mode with every all-gather and all-to-all recorded: nothing wider than a row moves."""
+    from sbp_torch import _collectives, _dispatch
+
+    p = st.placement("cpu", mesh_ranks)
+    logits = LOGITS.to_global(p, (B,) * p.ndim).to_global(sbp=logits_sbp).detach().requires_grad_()
+    target = TARGET.to_global(p, (B,) * p.ndim).to_global(sbp=target_sbp)
+    moved = []
+    gather, all_to_all = _collectives.all_gather, _collectives.all_to_all
+
+    def recording(collective):
+        def run(x, *args):
+            moved.append(tuple(x.shape))
+            return collective(x, *args)
+
+        return run
+
+    _collectives.all_gather, _collectives.all_to_all = recording(gather), recording(all_to_all)
+    _dispatch.set_strict(True)
+    try:
+        loss = K.cross_entropy(logits, target)
+        loss.backward()
+    finally:
+        _dispatch.set_strict(False)
+        _collectives.all_gather, _collectives.all_to_all = gather, all_to_all
+    assert not [m for m in moved if len(m) > 1 and m[-1] > 1], f"logits moved: {moved}"
+    assert logits.grad.sbp == logits_sbp
+    plain = LOGITS.clone().requires_grad_()
+    want = F.cross_entropy(plain, TARGET)
+    want.backward()
+    torch.testing.assert_close(loss.full_tensor(), want.detach())
+    torch.testing.assert_close(logits.grad.full_tensor(), plain.grad)
+
+
+def test_vocab_parallel_cross_entropy_moves_no_logits():
+    run_on_world(2, vocab_parallel_moves_no_logits, [0, 1], (S(1),), (B,))
+    run_on_world(4, vocab_parallel_moves_no_logits, [[0, 1], [2, 3]], (S(0), S(1)), (S(0), B))
