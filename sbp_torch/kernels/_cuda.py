@@ -72,8 +72,9 @@ def enable_cuda_kernels(verbose: bool = False) -> None:
     def _(x, mask, scale, causal):
         if x.dtype not in FAST or (mask is not None and mask.dim() > 2 and mask.shape[:-2].numel() > 1):
             return ref[scale_mask_softmax_op](x, mask, scale, causal)  # the kernel repeats one [q, k] mask
-        if mask is not None:
-            mask = mask.expand(x.shape[-2:] if x.dim() > 1 else x.shape)
+        if mask is not None:  # one [queries, keys] mask that the kernel repeats over the leading rows
+            trailing = x.shape[-2:] if x.dim() > 1 else x.shape
+            mask = mask.reshape(mask.shape[-len(trailing):] if mask.dim() > len(trailing) else mask.shape).expand(trailing)
         return ext.scale_mask_softmax(x, mask, scale, x.shape[-2] if causal else 0)
 
     @cross_entropy_op.register_kernel("cuda")
