@@ -88,13 +88,6 @@ def _from_group_order(group: AxisGroup, items: list) -> list:
     return out
 
 
-def _all_reduce(x: torch.Tensor, op: str, group: AxisGroup) -> torch.Tensor:
-    """Element-wise ``op`` of ``x`` over the group; returns a new tensor."""
-    out = x.contiguous().clone()
-    _run(f"all-reduce({op})", group, x, lambda: dist.all_reduce(out, _REDUCE_OPS[op], group.process_group))
-    return out
-
-
 def _broadcast(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
     """The group's index-0 value of ``x`` on every rank; returns a new tensor."""
     out = x.contiguous().clone()
@@ -126,7 +119,7 @@ def _all_gather(x: torch.Tensor, dim: int, sizes: list[int], group: AxisGroup) -
         flat_parts = _from_group_order(group, list(received.split(recv_counts)))
         parts = [p.view(s, *rows.shape[1:]) for p, s in zip(flat_parts, sizes)]
         out = received.view(sum(sizes), *rows.shape[1:])
-    if dim == 0 and tuple(group.coord_of_group_rank) == tuple(range(group.size)):
+    if dim == 0 and group.in_rank_order:
         return out  # the parts arrived end to end in row order: the buffer is the result
     return torch.cat([p.movedim(0, dim) for p in parts], dim=dim)  # contiguous, as the global stride says
 
@@ -172,8 +165,7 @@ def _all_to_all(
         x,
         lambda: dist.all_to_all_single(received, send_flat, out_counts, in_counts, group.process_group),
     )
-    in_order = tuple(group.coord_of_group_rank) == tuple(range(group.size))
-    if cat_dim == 0 and in_order:  # the parts arrived end to end in row order: the buffer is the result
+    if cat_dim == 0 and group.in_rank_order:  # the parts arrived end to end in row order: the buffer is the result
         shape = list(recv_shapes[0])
         shape[0] = sum(s[0] for s in recv_shapes)
         return received.view(shape)
@@ -186,8 +178,7 @@ def _send_buffer(x: torch.Tensor, split_dim: int, sizes: list[int], group: AxisG
     flat buffer, with one copy at most (none when ``x`` already is that buffer); and the part sizes."""
     parts = _to_group_order(group, list(x.split(sizes, dim=split_dim)))
     counts = [p.numel() for p in parts]
-    in_order = tuple(group.coord_of_group_rank) == tuple(range(group.size))
-    if split_dim == 0 and in_order and x.is_contiguous():
+    if split_dim == 0 and group.in_rank_order and x.is_contiguous():
         return x.reshape(-1), counts
     flat = x.new_empty(sum(counts))
     offset = 0
@@ -197,13 +188,17 @@ def _send_buffer(x: torch.Tensor, split_dim: int, sizes: list[int], group: AxisG
     return flat, counts
 
 
+def _refuse_unreducible(what: str, x: torch.Tensor, ops: list[str]) -> None:
+    if x.dtype == torch.uint64 and any(op in ("max", "min") for op in ops):
+        raise TypeError(f"{what}: no backend reduces uint64 by max or min")
+
+
 def _keeping_dtype(impl):
     def wrapper(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         group = args[-1]
         if group.size == 1:  # one part is the whole: nothing to exchange (and no process group to use)
             return x.clone()
-        if x.dtype == torch.uint64 and any(op in ("max", "min") for op in args if isinstance(op, str)):
-            raise TypeError(f"{impl.__name__.lstrip('_')}: no backend reduces uint64 by max or min")
+        _refuse_unreducible(impl.__name__.lstrip("_"), x, [a for a in args if isinstance(a, str)])
         return _off_wire(impl(_on_wire(x), *args, **kwargs), x.dtype)
 
     wrapper.__doc__ = impl.__doc__
@@ -211,7 +206,6 @@ def _keeping_dtype(impl):
     return wrapper
 
 
-all_reduce = _keeping_dtype(_all_reduce)
 broadcast = _keeping_dtype(_broadcast)
 all_gather = _keeping_dtype(_all_gather)
 reduce_scatter = _keeping_dtype(_reduce_scatter)
@@ -243,11 +237,17 @@ def send_recv(
     return [_off_wire(buf, like.dtype) for buf in buffers]
 
 
+def all_reduce(x: torch.Tensor, op: str, group: AxisGroup) -> torch.Tensor:
+    """Element-wise ``op`` of ``x`` over the group; returns a new tensor."""
+    return start_all_reduce(x, op, group)()
+
+
 def start_all_reduce(x: torch.Tensor, op: str, group: AxisGroup):
     """Begin ``all_reduce(x, op, group)`` without waiting; returns ``finish()``, which waits and returns the
-    result. Lets gradient buckets reduce while backward goes on."""
-    if group.size == 1:
+    result (a new tensor). Lets gradient buckets reduce while backward goes on."""
+    if group.size == 1:  # one part is the whole: nothing to exchange (and no process group to use)
         return lambda: x.clone()
+    _refuse_unreducible("all_reduce", x, [op])
     wire = _on_wire(x)
     out = wire.contiguous().clone()
     work = _run(

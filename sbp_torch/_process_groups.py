@@ -79,10 +79,15 @@ class AxisGroup:
     def size(self) -> int:
         return len(self.ranks)
 
-    @property
+    @functools.cached_property
     def coord_of_group_rank(self) -> tuple[int, ...]:
         """For each group rank g (torch's order), the axis coordinate of that rank."""
         return tuple(self.ranks.index(r) for r in sorted(self.ranks))
+
+    @functools.cached_property
+    def in_rank_order(self) -> bool:
+        """Whether axis order is torch's group order: parts laid end to end in one order are in the other."""
+        return self.coord_of_group_rank == tuple(range(self.size))
 
     def describe(self) -> str:
         return f"ranks {list(self.ranks)}"
