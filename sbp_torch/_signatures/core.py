@@ -20,6 +20,8 @@ from typing import Callable
 
 import torch
 
+from .. import _collectives as coll
+from .._process_groups import axis_group
 from .._sbp import Broadcast, Partial, SbpType, Split
 
 B = Broadcast()
@@ -111,6 +113,13 @@ class KernelContext:
     outputs: list  # GlobalMeta of each tensor output
     kernel_axes: tuple[int, ...]
     bound: dict = field(default_factory=dict)
+
+    def all_reduce(self, x: torch.Tensor, op: str = "sum", axes=None) -> torch.Tensor:
+        """``x`` all-reduced with ``op`` along each of ``axes`` (default: the kernel's axes), the step a kernel
+        takes to combine what its ranks computed from their parts."""
+        for axis in self.kernel_axes if axes is None else axes:
+            x = coll.all_reduce(x, op, axis_group(self.placement, axis))
+        return x
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import _collectives as coll
 from .._layout import GlobalMeta
-from .._process_groups import axis_group
 from .._sbp import Split
 from ..kernels import _bias_dropout_add as bda
 from ..kernels import _cross_entropy as ce
@@ -105,12 +103,6 @@ def norms(call: OpCall) -> list[Signature]:
 # cross entropy
 
 
-def _all_reduce(x, op, ctx, axes):
-    for axis in axes:
-        x = coll.all_reduce(x, op, axis_group(ctx.placement, axis))
-    return x
-
-
 def _axes(ctx: KernelContext, logits: GlobalMeta, dim: int) -> list[int]:
     return [a for a in ctx.kernel_axes if isinstance(s := logits.sbp[a], Split) and s.dim == dim]
 
@@ -123,13 +115,13 @@ def _ce_forward(func, ctx: KernelContext, args, kwargs):
     class_axes, row_axes = _axes(ctx, layout, 1), _axes(ctx, layout, 0)
     first = _region(ctx, layout)[0][1]
     m, s = ce.max_and_sum_exp(logits)
-    m_all = _all_reduce(m, "max", ctx, class_axes)
+    m_all = ctx.all_reduce(m, "max", class_axes)
     safe = torch.where(torch.isinf(m_all), 0.0, m_all)
-    s_all = _all_reduce(s * torch.exp(m - safe), "sum", ctx, class_axes)
+    s_all = ctx.all_reduce(s * torch.exp(m - safe), "sum", class_axes)
     lse = m_all + s_all.log()
-    pick = _all_reduce(ce.picked(logits, target, first), "sum", ctx, class_axes)
+    pick = ctx.all_reduce(ce.picked(logits, target, first), "sum", class_axes)
     kept = target != ignore_index
-    count = _all_reduce(kept.sum(), "sum", ctx, row_axes)
+    count = ctx.all_reduce(kept.sum(), "sum", row_axes)
     return ce.reduce_loss(lse - pick, kept, reduction, count), lse
 
 
@@ -138,7 +130,7 @@ def _ce_backward(func, ctx: KernelContext, args, kwargs):
     layout = ctx.inputs[1]
     first = _region(ctx, layout)[0][1]
     kept = target != ignore_index
-    count = _all_reduce(kept.sum(), "sum", ctx, _axes(ctx, layout, 0))
+    count = ctx.all_reduce(kept.sum(), "sum", _axes(ctx, layout, 0))
     return ce.softmax_minus_onehot(logits, target, lse, ce.row_weights(grad, kept, reduction, count), first)
 
 

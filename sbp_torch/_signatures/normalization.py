@@ -35,8 +35,6 @@ import math
 
 import torch
 
-from .. import _collectives as coll
-from .._process_groups import axis_group
 from .core import B, P, OpCall, S, Signature, TensorInfo, every_split_part_nonempty, register
 
 aten = torch.ops.aten
@@ -51,12 +49,6 @@ def _present(call: OpCall, names: tuple[str, ...]) -> list[str]:
 
 def _masked(call: OpCall, grads: tuple) -> tuple:
     return tuple(g for g, wanted in zip(grads, call.bound["output_mask"]) if wanted)
-
-
-def _all_reduce(x: torch.Tensor, ctx) -> torch.Tensor:
-    for axis in ctx.kernel_axes:
-        x = coll.all_reduce(x, "sum", axis_group(ctx.placement, axis))
-    return x
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -132,9 +124,9 @@ def _sync_batch_norm(func, ctx, args, kwargs):
     x, weight, bias, running_mean, running_var, _, momentum, eps = args
     dims = _covered_dims(x.dim())
     count = math.prod(ctx.inputs[0].shape) // ctx.inputs[0].shape[1]
-    mean = _all_reduce(x.sum(dims), ctx) / count
+    mean = ctx.all_reduce(x.sum(dims)) / count
     centered = x - _channel_view(mean, x.dim())
-    var = _all_reduce(centered.square().sum(dims), ctx) / count
+    var = ctx.all_reduce(centered.square().sum(dims)) / count
     invstd = (var + eps).rsqrt()
     out = centered * _channel_view(invstd, x.dim())
     if weight is not None:
@@ -163,8 +155,8 @@ def _sync_batch_norm_backward(func, ctx, args, kwargs):
     dims = _covered_dims(x.dim())
     count = math.prod(ctx.inputs[1].shape) // ctx.inputs[1].shape[1]
     normalized = (x - _channel_view(save_mean, x.dim())) * _channel_view(save_invstd, x.dim())
-    grad_bias = _all_reduce(grad.sum(dims), ctx)
-    grad_weight = _all_reduce((grad * normalized).sum(dims), ctx)
+    grad_bias = ctx.all_reduce(grad.sum(dims))
+    grad_weight = ctx.all_reduce((grad * normalized).sum(dims))
     scale = save_invstd if weight is None else save_invstd * weight
     grad_input = (
         grad - _channel_view(grad_bias / count, x.dim()) - normalized * _channel_view(grad_weight / count, x.dim())

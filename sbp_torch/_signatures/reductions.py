@@ -28,8 +28,6 @@ import math
 import torch
 from torch.fx.operator_schemas import normalize_function
 
-from .. import _collectives as coll
-from .._process_groups import axis_group
 from .._sbp import Partial
 from .core import B, P, P_MAX, P_MIN, OpCall, S, Signature, register, smallest_part
 
@@ -140,8 +138,7 @@ def _vector_norm(func, ctx, args, kwargs) -> torch.Tensor:
         local, op = (magnitude != 0).sum(dims, keepdim, dtype=magnitude.dtype), "sum"
     else:
         local, op = magnitude.pow(order).sum(dims, keepdim), "sum"
-    for axis in ctx.kernel_axes:
-        local = coll.all_reduce(local, op, axis_group(ctx.placement, axis))
+    local = ctx.all_reduce(local, op)
     return local if op != "sum" or order == 0 else local.pow(1.0 / order)
 
 

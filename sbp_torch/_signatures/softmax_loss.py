@@ -33,9 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.fx.operator_schemas import normalize_function
 
-from .. import _collectives as coll
 from .._layout import GlobalMeta
-from .._process_groups import axis_group
 from .._sbp import Split
 from .core import B, P, OpCall, S, Signature, register
 
@@ -44,12 +42,6 @@ aten = torch.ops.aten
 NONE, MEAN, SUM = 0, 1, 2  # torch's reduction enum
 SOFTMAX, NLL, MSE_MEAN = "softmax", "nll", "mse_mean"
 LOG_SOFTMAX_OPS = {aten._log_softmax.default, aten._log_softmax_backward_data.default}
-
-
-def _all_reduce(x: torch.Tensor, op: str, ctx, axes) -> torch.Tensor:
-    for axis in axes:
-        x = coll.all_reduce(x, op, axis_group(ctx.placement, axis))
-    return x
 
 
 def _arguments(func, args, kwargs) -> dict:
@@ -70,8 +62,8 @@ def _softmax(func, ctx, args, kwargs) -> torch.Tensor:
         row_max = x.amax(dim, keepdim=True)
     else:  # this rank holds no column of the row: -inf is the identity of max
         row_max = x.new_full(x.shape[:dim] + (1,) + x.shape[dim + 1 :], -math.inf)
-    shifted = x - _all_reduce(row_max, "max", ctx, ctx.kernel_axes)
-    sum_exp = _all_reduce(shifted.exp().sum(dim, keepdim=True), "sum", ctx, ctx.kernel_axes)
+    shifted = x - ctx.all_reduce(row_max, "max")
+    sum_exp = ctx.all_reduce(shifted.exp().sum(dim, keepdim=True))
     if func is aten._log_softmax.default:
         return shifted - sum_exp.log()
     return shifted.exp() / sum_exp
@@ -81,9 +73,9 @@ def _softmax_backward(func, ctx, args, kwargs) -> torch.Tensor:
     """Gradient of (log-)softmax over a split dim: the row sums it needs are all-reduced."""
     grad, out, dim, input_dtype = args
     if func is aten._log_softmax_backward_data.default:
-        row_sum = _all_reduce(grad.sum(dim, keepdim=True), "sum", ctx, ctx.kernel_axes)
+        row_sum = ctx.all_reduce(grad.sum(dim, keepdim=True))
         return (grad - out.exp() * row_sum).to(input_dtype)
-    row_sum = _all_reduce((grad * out).sum(dim, keepdim=True), "sum", ctx, ctx.kernel_axes)
+    row_sum = ctx.all_reduce((grad * out).sum(dim, keepdim=True))
     return (out * (grad - row_sum)).to(input_dtype)
 
 
@@ -146,7 +138,7 @@ def _nll_forward(func, ctx, args, kwargs):
         total = kept.sum().to(x.dtype)
     else:
         total = (a["weight"][a["target"].clamp(0, a["weight"].numel() - 1)] * kept).sum().to(x.dtype)
-    total = _all_reduce(total, "sum", ctx, _sample_axes(ctx))
+    total = ctx.all_reduce(total, "sum", _sample_axes(ctx))
     return (loss / total if reduction == MEAN else loss), total
 
 
