@@ -142,7 +142,8 @@ class CallPlan:
 
 def _compile(func, args, kwargs, decision: Decision, placement) -> CallPlan:
     slots = global_slots(args, kwargs)
-    outs, written = facts(func).outs, written_names(func, args, kwargs)
+    f = facts(func)
+    outs, written = f.outs, written_names(func, args, kwargs)
     targets = iter(decision.input_sbps)
     plans, kernel_inputs = [], []
     for (where, _), g in slots:
@@ -155,14 +156,13 @@ def _compile(func, args, kwargs, decision: Decision, placement) -> CallPlan:
         kernel_inputs.append(g._meta.with_sbp(target))
     coord = placement.coord_of(dist.get_rank())
     written_slots = tuple(i for i, ((where, _), _) in enumerate(slots) if argument_name(func, where) in written)
-    f = facts(func)
     simple = (
         coord is not None
         and decision.kernel is None
         and all(index is None and not isinstance(where, str) for (where, index), _ in slots)
         and all(p is None for p in plans)
         and (
-            (f.returns_written and written_slots == (0,) and slots[0][0] == (0, None) and len(f.names) > 0)
+            (f.returns_written and written_slots == (0,) and slots[0][0] == (0, None))
             or (not written_slots and len(decision.outputs) == 1 and len(func._schema.returns) == 1)
         )
     )
@@ -182,11 +182,7 @@ def _compile(func, args, kwargs, decision: Decision, placement) -> CallPlan:
 def _run_simple(plan: CallPlan, func, args, kwargs):
     """``_run`` for a simple plan: no boxing, no kernel, positional globals, one result."""
     out = func(*[a._local if isinstance(a, GlobalTensor) else a for a in args], **kwargs)
-    if plan.returns_written:
-        return args[0]
-    if out.shape != plan.local_shapes[0]:
-        return _wrapped(func, out, plan, 0)  # raises, naming the layout
-    return GlobalTensor(out, plan.decision.outputs[0])
+    return args[0] if plan.returns_written else _wrapped(func, out, plan, 0)
 
 
 def _local_arguments(plan: CallPlan, args, kwargs):
@@ -251,14 +247,18 @@ def _run(plan: CallPlan, func, args, kwargs):
 
 
 def _wrapped(func, local: torch.Tensor, plan: CallPlan, k: int) -> GlobalTensor:
-    """Output ``k`` as a global tensor, after checking that the local part has the shape its layout says."""
-    if local.shape != plan.local_shapes[k]:
-        meta = plan.decision.outputs[k]
+    """Output ``k`` as a global tensor (see ``_checked_global``)."""
+    return _checked_global(func, local, plan.decision.outputs[k], plan.local_shapes[k], plan.decision.signatures)
+
+
+def _checked_global(func, local: torch.Tensor, meta: GlobalMeta, shape: tuple, signatures) -> GlobalTensor:
+    """``local`` wrapped as a part of ``meta``, after checking that it has the shape the layout says."""
+    if local.shape != shape:
         raise RuntimeError(
-            f"sbp_torch internal error: {func} with signature {plan.decision.signatures} gave a local part of "
-            f"shape {tuple(local.shape)} where the layout {meta} needs {plan.local_shapes[k]}"
+            f"sbp_torch internal error: {func} with signature {signatures} gave a local part of "
+            f"shape {tuple(local.shape)} where the layout {meta} needs {shape}"
         )
-    return GlobalTensor(local, plan.decision.outputs[k])
+    return GlobalTensor(local, meta)
 
 
 def _fallback(func, args, kwargs, globals_: list[GlobalTensor], why: str):
@@ -368,17 +368,13 @@ def _run_foreach_plan(plan: ForeachPlan, func, args, kwargs):
         local_args[where] = [t._local for t in args[where]]
     for where in plan.singles:
         local_args[where] = args[where]._local
-    local_kwargs = kwargs
-    out = func(*local_args, **local_kwargs)
+    out = func(*local_args, **kwargs)
     if not plan.outputs:
         return None if not func._schema.returns else out
-    wrapped = []
-    for local, meta, shape in zip(out, plan.outputs, plan.local_shapes):
-        if local.shape != shape:
-            raise RuntimeError(f"sbp_torch internal error: {func} gave a local part of shape {tuple(local.shape)} "
-                               f"where the layout {meta} needs {shape}")
-        wrapped.append(GlobalTensor(local, meta))
-    return wrapped
+    return [
+        _checked_global(func, local, meta, shape, "(one per index)")
+        for local, meta, shape in zip(out, plan.outputs, plan.local_shapes)
+    ]
 
 
 def _out_of_place(func):

@@ -59,17 +59,14 @@ BROADCAST = Broadcast()
 
 
 def _key_of(value, is_scalar: bool):
-    kind = type(value)
-    if kind is GlobalTensor:
+    if type(value) is GlobalTensor:  # the common cases first: this runs for every argument of every op
         return value._meta
-    if kind is list or kind is tuple:  # lists of global tensors (cat, foreach ops) take the short way
-        return (kind, tuple([v._meta if type(v) is GlobalTensor else _key_of(v, is_scalar) for v in value]))
+    if isinstance(value, (list, tuple)):  # lists of global tensors (cat, foreach ops) keyed element by element
+        return (type(value), tuple([v._meta if type(v) is GlobalTensor else _key_of(v, is_scalar) for v in value]))
     if isinstance(value, GlobalTensor):
         return value._meta
     if isinstance(value, torch.Tensor):
         return ("tensor", tuple(value.shape), value.dtype, value.device.type)
-    if isinstance(value, (list, tuple)):
-        return (type(value), tuple(_key_of(v, is_scalar) for v in value))
     if is_scalar and isinstance(value, (bool, int, float, complex)):
         return type(value)
     return value
