@@ -4,6 +4,8 @@ compares the values)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 import sbp_torch as st
@@ -22,6 +24,31 @@ def strict(fn):
             _dispatch.set_strict(False)
 
     return run
+
+
+@contextlib.contextmanager
+def strict_recording_moves():
+    """Strict mode, with every all-gather and all-to-all recorded as ``(collective name, input shape)`` in
+    the yielded list: for tests that some tensor never moves whole."""
+    from sbp_torch import _collectives
+
+    moved = []
+    gather, all_to_all = _collectives.all_gather, _collectives.all_to_all
+
+    def recording(collective):
+        def run(x, *args):
+            moved.append((collective.__name__, tuple(x.shape)))
+            return collective(x, *args)
+
+        return run
+
+    _collectives.all_gather, _collectives.all_to_all = recording(gather), recording(all_to_all)
+    _dispatch.set_strict(True)
+    try:
+        yield moved
+    finally:
+        _dispatch.set_strict(False)
+        _collectives.all_gather, _collectives.all_to_all = gather, all_to_all
 
 
 def gradient_layouts(fn, inputs, placement, sbps):

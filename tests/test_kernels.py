@@ -14,6 +14,7 @@ from sbp_torch import kernels as K
 from sbp_torch.sbp import broadcast as B
 from sbp_torch.sbp import partial_sum as P
 from sbp_torch.sbp import split as S
+from strict_check import strict_recording_moves
 from world import run_on_world
 
 GEN = torch.Generator().manual_seed(0)
@@ -210,30 +211,13 @@ def test_kernels_on_global_tensors(n):
 def vocab_parallel_moves_no_logits(mesh_ranks, logits_sbp, target_sbp):
     """Cross entropy on logits split over the vocabulary (and, on a mesh, the rows too), forward and backward
     in strict mode with every all-gather and all-to-all recorded: nothing wider than a row moves."""
-    from sbp_torch import _collectives, _dispatch
-
     p = st.placement("cpu", mesh_ranks)
     logits = LOGITS.to_global(p, (B,) * p.ndim).to_global(sbp=logits_sbp).detach().requires_grad_()
     target = TARGET.to_global(p, (B,) * p.ndim).to_global(sbp=target_sbp)
-    moved = []
-    gather, all_to_all = _collectives.all_gather, _collectives.all_to_all
-
-    def recording(collective):
-        def run(x, *args):
-            moved.append(tuple(x.shape))
-            return collective(x, *args)
-
-        return run
-
-    _collectives.all_gather, _collectives.all_to_all = recording(gather), recording(all_to_all)
-    _dispatch.set_strict(True)
-    try:
+    with strict_recording_moves() as moved:
         loss = K.cross_entropy(logits, target)
         loss.backward()
-    finally:
-        _dispatch.set_strict(False)
-        _collectives.all_gather, _collectives.all_to_all = gather, all_to_all
-    assert not [m for m in moved if len(m) > 1 and m[-1] > 1], f"logits moved: {moved}"
+    assert not [m for m in moved if len(m[1]) > 1 and m[1][-1] > 1], f"logits moved: {moved}"
     assert logits.grad.sbp == logits_sbp
     plain = LOGITS.clone().requires_grad_()
     want = F.cross_entropy(plain, TARGET)

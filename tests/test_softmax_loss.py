@@ -8,11 +8,10 @@ import torch.nn.functional as F
 
 import sbp_torch as st
 from op_check import check_op, layout
-from sbp_torch import _collectives, _dispatch
 from sbp_torch.sbp import broadcast as B
 from sbp_torch.sbp import partial_sum as P
 from sbp_torch.sbp import split as S
-from strict_check import gradient_layouts
+from strict_check import gradient_layouts, strict_recording_moves
 from world import run_on_world
 
 GEN = torch.Generator().manual_seed(0)
@@ -109,24 +108,9 @@ def _vocab_parallel_cross_entropy(p, logits_sbp, target_sbp, vocab):
     logits = layout(full, p, logits_sbp).detach().requires_grad_()
     target_global = layout(target, p, target_sbp)
     one = layout(torch.ones((), dtype=full.dtype), p, (B,) * p.ndim)  # d loss / d loss, made before recording
-    moved = []
-
-    def recording(collective):
-        def run(x, *args):
-            moved.append((collective.__name__, tuple(x.shape)))
-            return collective(x, *args)
-
-        return run
-
-    gather, all_to_all = _collectives.all_gather, _collectives.all_to_all
-    _collectives.all_gather, _collectives.all_to_all = recording(gather), recording(all_to_all)
-    _dispatch.set_strict(True)
-    try:
+    with strict_recording_moves() as moved:
         loss = F.cross_entropy(logits, target_global)
         loss.backward(one)
-    finally:
-        _dispatch.set_strict(False)
-        _collectives.all_gather, _collectives.all_to_all = gather, all_to_all
     assert not [m for m in moved if len(m[1]) and m[1][-1] > 1], f"logits moved: {moved}"
     assert logits.grad.sbp == logits_sbp
     plain = full.clone().requires_grad_()
