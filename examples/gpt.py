@@ -102,10 +102,10 @@ def plans(world: int) -> dict:
     }
 
 
-def batches(steps: int):
+def batches(steps: int, batch: int = BATCH):
     gen = torch.Generator().manual_seed(1234)
     for _ in range(steps):
-        tokens = torch.randint(VOCAB, (BATCH, CONTEXT + 1), generator=gen)
+        tokens = torch.randint(VOCAB, (batch, CONTEXT + 1), generator=gen)
         yield tokens[:, :-1], tokens[:, 1:]
 
 
@@ -122,9 +122,9 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, idx, targets,
     return loss.item()
 
 
-def train(model: nn.Module, steps: int, layout=lambda t: t) -> list[float]:
+def train(model: nn.Module, steps: int, layout=lambda t: t, batch: int = BATCH) -> list[float]:
     optimizer = make_optimizer(model)
-    return [train_step(model, optimizer, idx, targets, layout) for idx, targets in batches(steps)]
+    return [train_step(model, optimizer, idx, targets, layout) for idx, targets in batches(steps, batch)]
 
 
 def run(mode: str, steps: int) -> tuple[list[float], list[float]]:

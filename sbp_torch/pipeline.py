@@ -34,6 +34,7 @@ from ._conversions import gradient_sbp
 from ._global_tensor import GlobalTensor
 from ._layout import GlobalMeta, normalize_sbp
 from ._sbp import Broadcast
+from ._tied import TiedParameters
 from ._timeline import Timeline
 
 __all__ = ["SCHEDULES", "Pipeline", "PipelineError"]
@@ -112,12 +113,16 @@ class Pipeline:
         schedule: a key of ``SCHEDULES`` ("1f1b" or "gpipe").
         input_sbp / target_sbp: how the first stage's inputs / last stage's targets are laid out on their
             stage's placement (default broadcast).
+        tied: groups of parameters on different stages that are one parameter of the model, each named
+            ``"<stage index>.<parameter name>"``, e.g. ``[("0.embed.tokens.weight", "3.final.head.weight")]``
+            for a GPT whose LM head is its token embedding. The copies take the first one's value now, and
+            after every step each copy's gradient is the sum over the copies (``sbp_torch._tied``).
 
     Every rank builds the same stages and calls ``step`` with the same batch.
     """
 
     def __init__(self, stages, loss_fn, micro_batches: int, schedule: str = "1f1b", *, input_sbp=None,
-                 target_sbp=None):
+                 target_sbp=None, tied=()):
         if not dist.is_initialized():
             raise RuntimeError("Pipeline needs torch.distributed to be initialized")
         if schedule not in SCHEDULES:
@@ -127,6 +132,7 @@ class Pipeline:
         self.stages = list(stages)
         self.placements = [_stage_placement(s, m) for s, m in enumerate(self.stages)]
         _check_placements(self.placements)
+        self.tied = TiedParameters(self.stages, tied)
         self.loss_fn, self.micro_batches, self.schedule = loss_fn, micro_batches, schedule
         self.input_sbp, self.target_sbp = input_sbp, target_sbp
         me = dist.get_rank()
@@ -156,6 +162,7 @@ class Pipeline:
         key = f"sbp_torch/pipeline/{self._id}/{self._steps}/error"
         self._steps += 1
         runtime = Runtime(check=_store_watch(store, key))
+        self.tied.begin_step()
         losses = []
         registers = self._build(runtime, xs, ys, weights, losses)
         failure = None
@@ -179,6 +186,7 @@ class Pipeline:
             if isinstance(failure, Exception):
                 raise PipelineError(message) from failure
             raise PipelineError(message)
+        self.tied.end_step()
         return float(flag[0])
 
     def timeline(self) -> Timeline:

@@ -47,3 +47,15 @@ def test_gpt_trains_like_one_process(mode):
 def test_mlp_data_parallel_trains_like_one_process():
     for want, got in run_on_world(4, _mlp_losses, 4):
         assert _close(want, got), (want, got)
+
+
+def _gpt_pipeline_losses(mode, steps, schedule):
+    return _load("gpt_pipeline").run(mode, steps, schedule)
+
+
+@pytest.mark.parametrize("world,mode,schedule", [(2, "pp", "1f1b"), (4, "pp", "gpipe"), (4, "pp_tp", "1f1b"),
+                                                 (4, "pp_dp", "gpipe")])
+def test_gpt_pipelined_trains_like_one_process(world, mode, schedule):
+    for want, got, drift in run_on_world(world, _gpt_pipeline_losses, mode, 3, schedule):
+        assert _close(want, got), (want, got)
+        assert drift == 0.0, "the tied embedding and head copies must stay equal"

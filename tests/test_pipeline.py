@@ -101,6 +101,62 @@ def test_matches_one_process(world, layout, schedule, micro_batches, rows):
             assert peak == micro_batches
 
 
+# ---- a parameter tied across stages ------------------------------------------------------------------------
+
+def _tied_reference(rows: int, steps: int):
+    """One Linear applied twice (as stage 0 and stage 1), gradients accumulated over ``steps`` batches."""
+    torch.manual_seed(0)
+    shared = nn.Linear(WIDTH, WIDTH)
+    model = nn.Sequential(shared, nn.Tanh(), shared, nn.Tanh())
+    for x, y in _batches(rows)[:steps]:
+        nn.functional.mse_loss(model(x), y).backward()
+    return [p.grad for p in shared.parameters()]
+
+
+def _tied_pipelined(rows: int, steps: int, sbp1):
+    torch.manual_seed(0)
+    shared = nn.Linear(WIDTH, WIDTH)
+    other = nn.Linear(WIDTH, WIDTH)  # different values: the pipeline copies stage 0's in
+    stages = [nn.Sequential(shared, nn.Tanh()).to_global(st.placement("cpu", [0, 1]), {"0.weight": split(1)}),
+              nn.Sequential(other, nn.Tanh()).to_global(st.placement("cpu", [2]), sbp1)]
+    pipe = Pipeline(stages, nn.functional.mse_loss, 2, "1f1b", tied=[("0.0.weight", "1.0.weight"),
+                                                                     ("0.0.bias", "1.0.bias")])
+    for x, y in _batches(rows)[:steps]:  # no zero_grad: gradients accumulate over the steps
+        pipe.step(x, y)
+    me = torch.distributed.get_rank()
+    return [p.grad.full_tensor() for stage in stages for p in stage.parameters() if me in p.placement]
+
+
+@pytest.mark.parametrize("sbp1", [broadcast, {"0.weight": split(0)}])
+def test_tied_copies_get_the_shared_gradient(sbp1):
+    want = _tied_reference(5, 2)
+    for grads in run_on_world(3, _tied_pipelined, 5, 2, sbp1):
+        assert len(grads) == 2
+        for got, expected in zip(grads, want):
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def _bad_tie(names) -> str:
+    layers = _layers(2)
+    stages = [layers[0].to_global(st.placement("cpu", [0])), layers[1].to_global(st.placement("cpu", [1]))]
+    try:
+        Pipeline(stages, nn.functional.mse_loss, 2, tied=[names])
+    except ValueError as err:
+        return str(err)
+    return "accepted"
+
+
+@pytest.mark.parametrize("names,message", [
+    (("0.0.weight", "1.0.bias"), "differ"),
+    (("0.0.weight", "1.0.nothing"), "stage 1 has no parameter '0.nothing'"),
+    (("0.0.weight", "0.0.weight"), "two on one stage"),
+    (("0.0.weight", "7.0.weight"), "stage index below 2"),
+])
+def test_bad_ties_refused(names, message):
+    for got in run_on_world(2, _bad_tie, names):
+        assert message in got, got
+
+
 # ---- the runtime alone: quotas make the schedule ----------------------------------------------------------
 
 def _one_stage_order(slots: int, m: int) -> list[str]:
