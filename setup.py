@@ -1,14 +1,35 @@
 """Install sbp_torch.
 
-The package is pure Python, plus an optional CUDA extension built only where torch (with CUDA) and nvcc are
-already installed. torch is a runtime requirement only: a build environment without torch never pulls a
-(multi-GB) CUDA build in, and an installed torch >= 2.11 is kept.
+The package is Python, plus two optional extensions: the actor runtime's C++ core (``csrc/actors.cpp``, plain
+pybind11 from torch's headers, built wherever a C++ compiler is; without it the Python runtime is used) and
+the fused CUDA kernels, built only where torch (with CUDA) and nvcc are already installed. torch is a runtime
+requirement only: a build environment without torch never pulls a (multi-GB) CUDA build in, and an installed
+torch >= 2.11 is kept.
 """
 
 import os
 import shutil
 
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
+
+
+def _actor_core() -> list:
+    """The actor runtime's core as ``sbp_torch._actors_core``, compiled against the pybind11 headers that torch
+    ships (no torch headers, so it takes seconds). Optional: a failed build leaves the Python runtime."""
+    if os.environ.get("SBP_TORCH_NO_CPP_BUILD"):
+        return []
+    try:
+        import torch
+    except ImportError:
+        return []
+    include = os.path.join(os.path.dirname(torch.__file__), "include")
+    return [Extension("sbp_torch._actors_core", ["csrc/actors.cpp"], include_dirs=[include], language="c++",
+                      extra_compile_args=["-std=c++17", "-O2", "-fvisibility=hidden"], optional=True)]
+
+
+def _extensions() -> dict:
+    cuda = _cuda_extensions()
+    return {**cuda, "ext_modules": _actor_core() + cuda.get("ext_modules", [])}
 
 
 def _cuda_extensions() -> dict:
@@ -42,5 +63,5 @@ setup(
         "test": ["pytest>=7", "hypothesis>=6", "expecttest"],  # expecttest: imported by torch's OpInfo database
         "bench": ["matplotlib"],
     },
-    **_cuda_extensions(),
+    **_extensions(),
 )

@@ -1,6 +1,7 @@
 """The actor runtime: registers with slot quotas, actors that fire when readable and free, one loop per rank.
 
-This is the core a C++ version would replace; it knows nothing of tensors, placements or torch.distributed.
+This is the pure-Python version of the core; ``csrc/actors.cpp`` is the same in C++, and ``_actor_runtime``
+picks one. It knows nothing of tensors, placements or torch.distributed.
 
 * A ``Register`` is an actor's output: a FIFO of at most ``slots`` entries. ``produce`` fills a slot (the
   "produced" message to its consumer), ``take`` hands the oldest entry to the consumer, and ``release``
@@ -46,7 +47,8 @@ class Register:
         return not self.read_when_full or self.occupied == self.slots or self.producer_done
 
     def produce(self, value) -> None:
-        assert self.free(), f"register {self.name} overflows its {self.slots} slots"
+        if not self.free():
+            raise RuntimeError(f"register {self.name} overflows its {self.slots} slots")
         self.entries.append(value)
         self.occupied += 1
         self.peak = max(self.peak, self.occupied)

@@ -1,4 +1,4 @@
-"""Pipeline parallelism: stages on their own placements, run by the actor runtime (``_actors``).
+"""Pipeline parallelism: stages on their own placements, run by the actor runtime (``_actor_runtime``).
 
 Each stage is an ``nn.Module`` already laid out on its own placement with ``Module.to_global`` (it may be data
 or tensor parallel inside). ``Pipeline.step`` splits a batch into micro-batches and runs every micro-batch's
@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _stage_transfer as transfer
-from ._actors import Actor, Pending, Register, Runtime
+from . import _actor_runtime
 from ._conversions import gradient_sbp
 from ._global_tensor import GlobalTensor
 from ._layout import GlobalMeta, normalize_sbp
@@ -161,7 +161,7 @@ class Pipeline:
         store = dist.distributed_c10d._get_default_store()
         key = f"sbp_torch/pipeline/{self._id}/{self._steps}/error"
         self._steps += 1
-        runtime = Runtime(check=_store_watch(store, key))
+        runtime = _actor_runtime.core.Runtime(check=_store_watch(store, key))
         self.tied.begin_step()
         losses = []
         registers = self._build(runtime, xs, ys, weights, losses)
@@ -195,8 +195,10 @@ class Pipeline:
         dist.all_gather_object(gathered, [(e.actor, e.kind, e.index, e.start, e.end) for e in self.events])
         return Timeline(gathered)
 
-    def _build(self, runtime: Runtime, xs, ys, weights, losses) -> dict:
+    def _build(self, runtime, xs, ys, weights, losses) -> dict:
         """This rank's actors and registers for one step; returns the registers by name."""
+        core = _actor_runtime.core  # C++ or Python, as chosen when the step began
+        Actor, Pending, Register = core.Actor, core.Pending, core.Register
         s, p, m = self.stage, len(self.stages), self.micro_batches
         here, module = self.placements[s], self.stages[s]
         first, last = s == 0, s == p - 1
