@@ -57,35 +57,52 @@ def _plan(src: GlobalMeta, dst: GlobalMeta):
     return plan_cross(src, dst)
 
 
-def _in_background(fn, notify):
-    """Run ``fn`` on a daemon thread; returns a poll: None until it ended, then its result (re-raising its
-    error). gloo's point-to-point work reports completion only through ``wait()``, which releases the GIL, so
-    a waiting thread per transfer lets the actor loop go on with compute meanwhile."""
-    box = {}
+class Waiters:
+    """The threads that wait for one step's point-to-point work. gloo's point-to-point work reports completion
+    only through ``wait()``, which releases the GIL, so a waiting thread per transfer lets the actor loop go
+    on with compute meanwhile. The step joins them when it ends, so that none outlives it: a daemon thread
+    still returning into Python while the interpreter shuts down aborts the process."""
 
-    def target():
-        try:
-            box["value"] = fn()
-        except BaseException as err:  # noqa: BLE001 - handed to the loop
-            box["error"] = err
-        box["done"] = True
-        notify()
+    def __init__(self, notify):
+        self.notify = notify
+        self.threads: list[threading.Thread] = []
 
-    threading.Thread(target=target, daemon=True).start()
+    def start(self, fn):
+        """Run ``fn`` on a thread; returns a poll: None until it ended, then its result (re-raising its error)."""
+        box = {}
 
-    def poll():
-        if "done" not in box:
-            return None
-        if "error" in box:
-            raise box["error"]
-        return box["value"]
+        def target():
+            try:
+                box["value"] = fn()
+            except BaseException as err:  # noqa: BLE001 - handed to the loop
+                box["error"] = err
+            box["done"] = True
+            self.notify()
 
-    return poll
+        thread = threading.Thread(target=target, daemon=True)
+        thread.start()
+        self.threads.append(thread)
+
+        def poll():
+            if "done" not in box:
+                return None
+            if "error" in box:
+                raise box["error"]
+            return box["value"]
+
+        return poll
+
+    def join(self) -> None:
+        """Wait for every thread to end (each has reported its work done)."""
+        for thread in self.threads:
+            thread.join()
+        self.threads.clear()
 
 
-def send(x: GlobalTensor, dst_placement, tag: int, notify):
+def send(x: GlobalTensor, dst_placement, tag: int, waiters: Waiters):
     """Post this rank's pieces of ``x`` (no partial axes) towards ``dst_placement``; returns a poll:
-    ``() -> True`` once every send completed (``notify()`` is called then). ``tag`` .. ``tag + pieces`` are used."""
+    ``() -> True`` once every send completed (``waiters.notify()`` is called then). ``tag`` .. ``tag + pieces``
+    are used."""
     me, meta = dist.get_rank(), x._meta
     works = []
     if me == meta.placement.flat_ranks[0]:
@@ -98,7 +115,12 @@ def send(x: GlobalTensor, dst_placement, tag: int, notify):
     for i, piece in enumerate(plan.pieces):
         if piece.src == me:
             works.append(dist.isend(_cut(x._local, origin, piece).contiguous(), piece.dst, tag=tag + 1 + i))
-    return _in_background(lambda: [w.wait() for w in works] and True or True, notify)
+    def wait_all():
+        for work in works:
+            work.wait()
+        return True
+
+    return waiters.start(wait_all)
 
 
 def _receiver_sbp(src_sbp: tuple, dst_placement) -> tuple:
@@ -108,7 +130,7 @@ def _receiver_sbp(src_sbp: tuple, dst_placement) -> tuple:
     return (BROADCAST,) * dst_placement.ndim
 
 
-def recv(src_placement, dst_placement, tag: int, requires_grad: bool, notify):
+def recv(src_placement, dst_placement, tag: int, requires_grad: bool, waiters: Waiters):
     """Post the receives of a tensor sent by ``send`` from ``src_placement``; returns a poll:
     ``() -> GlobalTensor`` on ``dst_placement`` (a leaf) once it has arrived, None before."""
     me = dist.get_rank()
@@ -133,7 +155,7 @@ def recv(src_placement, dst_placement, tag: int, requires_grad: bool, notify):
                     view.copy_(buf)
         return out, dst
 
-    done = _in_background(receive, notify)
+    done = waiters.start(receive)
 
     def poll():
         result = done()

@@ -164,10 +164,12 @@ class Pipeline:
         runtime = _actor_runtime.core.Runtime(check=_store_watch(store, key))
         self.tied.begin_step()
         losses = []
-        registers = self._build(runtime, xs, ys, weights, losses)
+        waiters = transfer.Waiters(runtime.notify)
+        registers = self._build(runtime, waiters, xs, ys, weights, losses)
         failure = None
         try:
             runtime.run()
+            waiters.join()
         except _Stopped:
             failure = "stopped"
         except Exception as err:  # noqa: BLE001 - any stage error stops every rank
@@ -195,7 +197,7 @@ class Pipeline:
         dist.all_gather_object(gathered, [(e.actor, e.kind, e.index, e.start, e.end) for e in self.events])
         return Timeline(gathered)
 
-    def _build(self, runtime, xs, ys, weights, losses) -> dict:
+    def _build(self, runtime, waiters, xs, ys, weights, losses) -> dict:
         """This rank's actors and registers for one step; returns the registers by name."""
         core = _actor_runtime.core  # C++ or Python, as chosen when the step began
         Actor, Pending, Register = core.Actor, core.Pending, core.Register
@@ -214,13 +216,13 @@ class Pipeline:
 
         def receiving(src, boundary, direction, requires_grad):
             def body(i, _):
-                poll = transfer.recv(src, here, tag(boundary, direction, i), requires_grad, runtime.notify)
+                poll = transfer.recv(src, here, tag(boundary, direction, i), requires_grad, waiters)
                 return Pending(lambda: (lambda x: None if x is None else (x,))(poll()))
             return body
 
         def sending(dst, boundary, direction):
             def body(i, inputs):
-                poll = transfer.send(inputs[0], dst, tag(boundary, direction, i), runtime.notify)
+                poll = transfer.send(inputs[0], dst, tag(boundary, direction, i), waiters)
                 return Pending(lambda: () if poll() else None)
             return body
 
