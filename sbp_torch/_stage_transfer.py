@@ -20,7 +20,8 @@ import threading
 import torch
 import torch.distributed as dist
 
-from ._boxing.cross_placement import _box, _cut, plan_cross
+from ._boxing.cross_placement import plan_cross
+from ._boxing.pieces import box_of, cut
 from ._global_tensor import GlobalTensor
 from ._layout import GlobalMeta
 from ._sbp import Broadcast, Partial
@@ -111,10 +112,10 @@ def send(x: GlobalTensor, dst_placement, tag: int, waiters: Waiters):
     dst = GlobalMeta(meta.shape, meta.dtype, dst_placement, _receiver_sbp(meta.sbp, dst_placement))
     plan = _plan(meta, dst)
     coord = meta.placement.coord_of(me)
-    origin = _box(meta, coord)[0]
+    origin = box_of(meta, coord)[0]
     for i, piece in enumerate(plan.pieces):
         if piece.src == me:
-            works.append(dist.isend(_cut(x._local, origin, piece).contiguous(), piece.dst, tag=tag + 1 + i))
+            works.append(dist.isend(cut(x._local, origin, piece).contiguous(), piece.dst, tag=tag + 1 + i))
     def wait_all():
         for work in works:
             work.wait()
@@ -144,11 +145,11 @@ def recv(src_placement, dst_placement, tag: int, requires_grad: bool, waiters: W
         dst = GlobalMeta(shape, dtype, dst_placement, _receiver_sbp(sbp, dst_placement))
         coord = dst_placement.coord_of(me)
         out = torch.empty(dst.local_shape(coord), dtype=dtype)
-        origin = _box(dst, coord)[0]
+        origin = box_of(dst, coord)[0]
         for i, piece in enumerate(_plan(src, dst).pieces):
             if piece.dst == me:
                 # received straight into the destination part when the piece is a contiguous view of it
-                view = _cut(out, origin, piece)
+                view = cut(out, origin, piece)
                 buf = view if view.is_contiguous() else torch.empty(piece.lengths, dtype=dtype)
                 dist.irecv(buf, piece.src, tag=tag + 1 + i).wait()
                 if buf is not view:

@@ -10,7 +10,7 @@
    that sends the fewest bytes in all wins; on a tie the first in ``_reductions`` order, which reduces at
    the source (its receivers get one copy, not one per term). Reducing at the source wins when the
    placements are disjoint; keeping the terms can win when they overlap (a rank already holds its own term).
-2. **Pieces.** Each source rank now holds a box of the logical tensor, or of one partial term of it (the
+2. **Pieces** (``pieces.py``). Each source rank now holds a box of the logical tensor, or of one partial term of it (the
    same on every rank along a broadcast axis), and each destination rank needs its box under the target
    SBP. A piece is the intersection of a source box and a destination box. A destination rank that holds
    the source box itself takes the piece locally; otherwise one of the box's holders sends it, the holders
@@ -24,47 +24,20 @@ Ranks in neither placement have no piece and no step: they return at once.
 from __future__ import annotations
 
 import itertools
-import math
-from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 import torch.distributed as dist
 
-from .. import _collectives as coll
 from .._layout import GlobalMeta, normalize_sbp
 from .._placement import placement as Placement
 from .._sbp import Broadcast, Partial, SbpType, Split, reduction_identity
+from .pieces import Piece, box_of, exchange, fill_of, pieces_between
 from .plan import BoxingPlan, plan_boxing
 from .run import run_plan
 
 BROADCAST = Broadcast()
-
-Box = tuple[tuple[int, ...], tuple[int, ...]]  # (starts, lengths) per tensor dim
-
-
-@dataclass(frozen=True)
-class Piece:
-    """A box of the logical tensor that rank ``src`` gives rank ``dst`` (a local copy when they are equal)."""
-
-    src: int
-    dst: int
-    starts: tuple[int, ...]
-    lengths: tuple[int, ...]
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.lengths)
-
-    @property
-    def is_local(self) -> bool:
-        return self.src == self.dst
-
-    def __repr__(self) -> str:
-        box = ", ".join(f"{s}:{s + n}" for s, n in zip(self.starts, self.lengths))
-        how = "local copy" if self.is_local else "send"
-        return f"rank {self.src} -> rank {self.dst}: [{box}] by {how}"
 
 
 @dataclass(frozen=True)
@@ -135,70 +108,6 @@ def cross_target(src: GlobalMeta, p: Placement, sbp) -> GlobalMeta:
     return GlobalMeta(src.shape, src.dtype, p, sbp)
 
 
-def _coords(p: Placement):
-    return itertools.product(*(range(n) for n in p.shape))
-
-
-def _box(meta: GlobalMeta, coord: tuple[int, ...]) -> Box:
-    starts, lengths = meta.region(coord)
-    return tuple(starts), tuple(lengths)
-
-
-def _intersection(a: Box, b: Box) -> Box | None:
-    """The common part of two boxes, or None when it holds no element."""
-    starts = tuple(max(sa, sb) for sa, sb in zip(a[0], b[0]))
-    ends = tuple(min(sa + na, sb + nb) for sa, na, sb, nb in zip(*a, *b))
-    if any(e <= s for s, e in zip(starts, ends)):
-        return None
-    return starts, tuple(e - s for s, e in zip(starts, ends))
-
-
-def fill_of(meta: GlobalMeta, coord: tuple[int, ...]):
-    """What the part at ``coord`` of a target layout holds when it receives nothing: None when it receives the
-    value (coordinate 0 on every partial axis), else the identity of the op of the *last* partial axis on
-    which the coordinate is not 0.
-
-    Why the last: partial axes nest like splits. Along the first such axis a the block at ``coord[a]`` must
-    reduce to op_a's identity under the later axes; inside that block the coordinate 0 of the later axes holds
-    it and every other part holds its own later axis' identity, recursively.
-    """
-    nonzero = [s for s, c in zip(meta.sbp, coord) if isinstance(s, Partial) and c != 0]
-    return reduction_identity(nonzero[-1].op, meta.dtype) if nonzero else None
-
-
-def _holders(meta: GlobalMeta) -> dict[tuple[Box, tuple[int, ...]], list[int]]:
-    """Each (box, partial term) that the ranks of ``meta`` hold, with its holders in coordinate order. The term
-    is the coordinates on the partial axes: ranks that differ only on broadcast axes hold the same thing."""
-    partial_axes = [a for a, s in enumerate(meta.sbp) if isinstance(s, Partial)]
-    held: dict[tuple[Box, tuple[int, ...]], list[int]] = {}
-    for c in _coords(meta.placement):
-        term = tuple(c[a] for a in partial_axes)
-        held.setdefault((_box(meta, c), term), []).append(meta.placement.rank_at(c))
-    return held
-
-
-def _pieces(src: GlobalMeta, dst: GlobalMeta) -> tuple[Piece, ...]:
-    """The pieces that give every receiving rank of ``dst`` its box from the ranks of ``src``."""
-    holders = _holders(src)
-    turns: Counter = Counter()  # remote sends served per held (box, term) so far: the holders take turns
-    pieces = []
-    for c in _coords(dst.placement):
-        if fill_of(dst, c) is not None:
-            continue
-        rank, need = dst.placement.rank_at(c), _box(dst, c)
-        for held, ranks in holders.items():
-            common = _intersection(held[0], need)
-            if common is None:
-                continue
-            if rank in ranks:
-                sender = rank
-            else:
-                sender = ranks[turns[held] % len(ranks)]
-                turns[held] += 1
-            pieces.append(Piece(sender, rank, *common))
-    return tuple(pieces)
-
-
 def _reductions(meta: GlobalMeta) -> list[tuple[SbpType, ...]]:
     """The layouts the source may be reduced to before its pieces travel: each partial axis becomes a split
     of a non-empty dim or broadcast, or stays (kept axes must share one op, which combines at the
@@ -209,7 +118,7 @@ def _reductions(meta: GlobalMeta) -> list[tuple[SbpType, ...]]:
 
 
 def _plan_via(src: GlobalMeta, dst: GlobalMeta, reduced: tuple[SbpType, ...]) -> CrossPlan:
-    return CrossPlan(src, dst, plan_boxing(src, reduced), _pieces(src.with_sbp(reduced), dst))
+    return CrossPlan(src, dst, plan_boxing(src, reduced), pieces_between(src.with_sbp(reduced), dst))
 
 
 @lru_cache(maxsize=1024)
@@ -218,13 +127,6 @@ def plan_cross(src: GlobalMeta, dst: GlobalMeta) -> CrossPlan:
     reduction (or kept partial terms) that sends the fewest bytes in all, the first in ``_reductions`` order
     on a tie."""
     return min((_plan_via(src, dst, reduced) for reduced in _reductions(src)), key=lambda p: p.bytes_sent)
-
-
-def _cut(x: torch.Tensor, origin: tuple[int, ...], piece: Piece) -> torch.Tensor:
-    """The view of ``x`` (a part whose box starts at ``origin``) that holds ``piece``."""
-    for d, (o, s, n) in enumerate(zip(origin, piece.starts, piece.lengths)):
-        x = x.narrow(d, s - o, n)
-    return x
 
 
 _COMBINE = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
@@ -248,24 +150,7 @@ def run_cross(local: torch.Tensor, plan: CrossPlan) -> torch.Tensor:
     local = run_plan(local, plan.reduce)
     held = plan.src.with_sbp(plan.reduce.dst_sbp)
     src_coord, dst_coord = plan.src.placement.coord_of(me), plan.dst.placement.coord_of(me)
-    src_origin = _box(held, src_coord)[0] if src_coord is not None else None
-    dst_origin = _box(plan.dst, dst_coord)[0] if dst_coord is not None else None
+    src_origin = box_of(held, src_coord)[0] if src_coord is not None else None
+    dst_origin = box_of(plan.dst, dst_coord)[0] if dst_coord is not None else None
     out = _destination_part(local, plan, dst_coord)
-    combine = _COMBINE.get(plan.combine)
-
-    def place(piece: Piece, value: torch.Tensor) -> None:
-        view = _cut(out, dst_origin, piece)
-        view.copy_(value if combine is None else combine(view, value))
-
-    sends, arriving = [], []
-    for tag, piece in enumerate(plan.pieces):  # the piece's index tells pieces between one pair apart
-        if piece.is_local and piece.dst == me:
-            place(piece, _cut(local, src_origin, piece))
-        elif piece.src == me:
-            sends.append((_cut(local, src_origin, piece), piece.dst, tag))
-        elif piece.dst == me:
-            arriving.append((piece, tag))
-    received = coll.send_recv(sends, [(p.lengths, p.src, tag) for p, tag in arriving], local)
-    for (piece, _), value in zip(arriving, received):
-        place(piece, value)
-    return out
+    return exchange(local, src_origin, plan.pieces, out, dst_origin, _COMBINE.get(plan.combine))
