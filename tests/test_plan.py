@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st_
 
 import sbp_torch as st
-from sbp_torch._boxing.plan import plan_boxing
+from sbp_torch._boxing.plan import POINT_TO_POINT, collective_steps, plan_boxing
 from sbp_torch._layout import GlobalMeta, balanced_sizes
 from sbp_torch.sbp import broadcast, partial_max, partial_min, partial_sum, split
 
@@ -58,13 +58,17 @@ BIG_N = 1024 * 512 * 4
 
 def test_nested_split_moves_the_inner_axis_off_the_gathered_dim():
     """Axis 0 cannot gather dim 0 while axis 1 splits it: axis 1 moves off dim 0 first. The search re-cuts it
-    by all-to-all, cheaper than the release to broadcast (gather, gather, slice) it competes with."""
-    p = plan((split(0), split(0)), (broadcast, split(0)), shape=BIG, placement=GRID)
-    first_gather = next(i for i, s in enumerate(p.steps) if s.axis == 0)
-    assert all(s.dst != split(0) for s in p.steps[:first_gather] if s.axis == 1)
+    by all-to-all, cheaper than the release to broadcast (gather, gather, slice) it competes with. Sending
+    each rank the quarters it lacks beats both: 6 of the 16 quarters the ranks hold move, in 6 messages."""
+    meta = GlobalMeta(BIG, torch.float32, GRID, (split(0), split(0)))
+    steps = collective_steps(meta, (broadcast, split(0)))
+    first_gather = next(i for i, s in enumerate(steps) if s.axis == 0)
+    assert all(s.dst != split(0) for s in steps[:first_gather] if s.axis == 1)
     release = [((split(0), split(0)), (split(0), broadcast)), ((split(0), broadcast), (broadcast, broadcast)),
                ((broadcast, broadcast), (broadcast, split(0)))]
-    assert p.cost < sum(plan(a, b, shape=BIG, placement=GRID).cost for a, b in release)
+    assert sum(s.cost for s in steps) < sum(plan(a, b, shape=BIG, placement=GRID).cost for a, b in release)
+    p = plan((split(0), split(0)), (broadcast, split(0)), shape=BIG, placement=GRID)
+    assert [s.collective for s in p.steps] == [POINT_TO_POINT] and p.bytes_sent == 6 * BIG_N // 4
     independent = plan((split(0), split(1)), (broadcast, split(1)), placement=GRID)
     assert [(s.axis, s.collective) for s in independent.steps] == [(0, "all-gather")]
 
@@ -113,3 +117,22 @@ def test_every_2d_plan_ends_at_the_target_and_is_deterministic(src, dst):
         state[step.axis] = step.dst
     assert tuple(state) == dst
     assert plan_boxing.__wrapped__(p.meta, dst) == p  # recomputed, not cached: same steps
+
+
+@pytest.mark.parametrize("src, dst, quarters_moved", [
+    ((split(0), broadcast), (broadcast, split(0)), 4),  # ranks 1 and 2 swap halves (2 quarters each)
+    ((split(0), split(1)), (split(1), split(0)), 2),  # ranks 1 and 2 swap their quarters
+])
+def test_swaps_are_point_to_point_at_the_minimum_bytes(src, dst, quarters_moved):
+    """Any sequence of collectives gathers a whole axis first; sending just the missing pieces moves the
+    minimum, for small tensors (fewer messages) and large ones (fewer bytes) alike."""
+    for shape, n in [(BIG, BIG_N), ((8, 8), 8 * 8 * 4)]:
+        p = plan(src, dst, shape=shape, placement=GRID)
+        assert [s.collective for s in p.steps] == [POINT_TO_POINT]
+        assert p.bytes_sent == quarters_moved * n // 4
+        assert p.bytes_sent < sum(s.bytes_sent for s in collective_steps(p.meta, dst))
+
+
+def test_partial_ends_never_go_point_to_point():
+    p = plan((partial_sum, split(0)), (split(0), split(1)), shape=BIG, placement=GRID)
+    assert POINT_TO_POINT not in [s.collective for s in p.steps]

@@ -14,8 +14,9 @@ Per transition and size:
   rows time the internal ``Redistribute`` function that DTensor's ops use instead, marked † in the report;
 * **bare**: the ``torch.distributed`` collectives that sbp_torch's plan names (``all_gather_into_tensor``,
   ``all_to_all_single``, ``all_reduce``, ``reduce_scatter_tensor``) on plain preallocated tensors in the same
-  groups, with every part padded to the largest one (these collectives need equal parts): the floor for
-  running that plan. A transition whose plan is local has no bare time;
+  groups, with every part padded to the largest one (these collectives need equal parts), or, for a
+  point-to-point plan, ``batch_isend_irecv`` of the same pieces: the floor for running that plan. A
+  transition whose plan is local has no bare time;
 * **bytes**: what sbp_torch's plan sends (``boxing_plan(x, dst).bytes_sent``, summed over all ranks) beside
   the theoretical minimum (``min_bytes``, derived below without the planner);
 * **view**: whether the result's local part lies in the source's storage (a ``B -> S`` slice can be a view).
@@ -56,6 +57,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks import harness
+from sbp_torch._boxing.plan import POINT_TO_POINT
 
 TITLE = "Boxing: SBP transitions, sbp_torch beside DTensor and bare collectives"
 WORLDS = [2, 4]
@@ -245,6 +247,9 @@ def _bare(env: _Env, shape, plan):
     calls = []
     cur = [_token(s) for s in plan.meta.sbp]
     for step in plan.steps:
+        if step.collective == POINT_TO_POINT:  # every axis at once: the same pieces, sent and received
+            calls.append(_bare_point_to_point(step.pieces))
+            continue
         p, group = env.shape[step.axis], env.mesh.get_group(step.axis)
         shared = cur.copy()
         shared[step.axis] = "B"
@@ -273,6 +278,21 @@ def _bare(env: _Env, shape, plan):
     def run():
         for call in calls:
             call()
+
+    return run
+
+
+def _bare_point_to_point(pieces):
+    """``batch_isend_irecv`` of this rank's pieces (plain preallocated tensors), as the plan's step posts them."""
+    me = dist.get_rank()
+    mine = [(p, tag) for tag, p in enumerate(pieces) if not p.is_local and me in (p.src, p.dst)]
+    buffers = [(torch.randn(p.lengths) if p.src == me else torch.empty(p.lengths), p, tag) for p, tag in mine]
+
+    def run():
+        ops = [dist.P2POp(dist.isend if p.src == me else dist.irecv, buf, p.dst if p.src == me else p.src, tag=tag)
+               for buf, p, tag in buffers]
+        for work in dist.batch_isend_irecv(ops) if ops else []:
+            work.wait()
 
     return run
 
@@ -502,7 +522,7 @@ def plot(rows: list[dict], path: str) -> None:
         ax.grid(alpha=0.3)
     for ax in axes.flat[len(names):]:
         ax.axis("off")
-    handles, texts = {}, []
+    handles = {}
     for ax in axes.flat:
         for h, t in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(t, h)

@@ -7,6 +7,11 @@ coordinate on ``a``. That is valid only if the later axes (which cut the tensor 
 a later axis must not split a dim that the transition splits or gathers, and a later partial axis must not
 reduce with another op than the one the transition reduces with. Within that rule the planner searches for
 the cheapest sequence of 1-D transitions (Dijkstra's algorithm over the N-D layouts; see docs/boxing.md).
+
+Collectives move whole axes; some N-D changes need less. In ``(S0, B) -> (B, S0)`` on a 2x2 mesh two ranks
+already hold what they need and the other two swap halves, while any sequence of collectives gathers first.
+So where neither end is partial, the plan may instead be one point-to-point step that sends each rank just
+the pieces it lacks (``pieces.py``), chosen when its cost (bytes plus a latency per message) is lower.
 """
 
 from __future__ import annotations
@@ -18,7 +23,10 @@ from functools import lru_cache
 
 from .._layout import GlobalMeta
 from .._sbp import Broadcast, Partial, SbpType, Split
+from .pieces import Piece, pieces_between
 from .transitions import AxisView, transition
+
+POINT_TO_POINT = "send/recv"
 
 BROADCAST = Broadcast()
 
@@ -34,7 +42,11 @@ LATENCY_BYTES_PER_RANK = 64 * 1024
 @dataclass(frozen=True)
 class BoxingStep:
     """One 1-D transition on one placement axis; ``bytes_sent`` is summed over every rank of the placement,
-    ``cost`` adds the latency of the collective (``LATENCY_BYTES_PER_RANK`` for each rank), 0 for a local step."""
+    ``cost`` adds the latency of the collective (``LATENCY_BYTES_PER_RANK`` for each rank), 0 for a local step.
+
+    The point-to-point step (``collective == POINT_TO_POINT``) changes every axis at once: ``axis`` is -1,
+    ``src`` and ``dst`` are whole SBP tuples, ``pieces`` what each rank sends, and ``cost`` adds the latency
+    once per message."""
 
     axis: int
     src: SbpType
@@ -42,9 +54,11 @@ class BoxingStep:
     collective: str
     bytes_sent: int
     cost: int = 0
+    pieces: tuple[Piece, ...] = ()
 
     def __repr__(self) -> str:
-        return f"axis {self.axis}: {self.src!r} -> {self.dst!r} by {self.collective} ({self.bytes_sent} B sent)"
+        where = "every axis" if self.axis < 0 else f"axis {self.axis}"
+        return f"{where}: {self.src!r} -> {self.dst!r} by {self.collective} ({self.bytes_sent} B sent)"
 
 
 @dataclass(frozen=True)
@@ -140,16 +154,37 @@ def _direct(meta: GlobalMeta, start: tuple, goal: tuple) -> tuple | None:
     return None
 
 
+def _point_to_point(meta: GlobalMeta, start: tuple, goal: tuple) -> BoxingStep | None:
+    """The step that sends every rank the pieces of ``goal`` it lacks, where neither end is partial."""
+    if any(isinstance(s, Partial) for s in start + goal):
+        return None
+    pieces = pieces_between(meta, meta.with_sbp(goal))
+    moved = [p for p in pieces if not p.is_local]
+    sent = sum(p.numel for p in moved) * meta.dtype.itemsize
+    return BoxingStep(-1, start, goal, POINT_TO_POINT, sent, sent + len(moved) * LATENCY_BYTES_PER_RANK, pieces)
+
+
 @lru_cache(maxsize=4096)
 def plan_boxing(meta: GlobalMeta, dst_sbp: tuple[SbpType, ...]) -> BoxingPlan:
     """The plan that takes a global tensor of ``meta`` to ``dst_sbp`` on the same placement (both validated):
-    the cheapest sequence of 1-D transitions (cost: bytes plus latency; then number of steps), found by Dijkstra's search
-    over the N-D layouts. Each step moves one axis by a row of the 1-D table and must commute with the
-    later axes. Neighbours are tried in a fixed order, so every rank finds the same plan."""
+    the cheapest sequence of 1-D transitions (cost: bytes plus latency; then number of steps), found by
+    Dijkstra's search over the N-D layouts, or one point-to-point step where that costs less. Each 1-D step
+    moves one axis by a row of the 1-D table and must commute with the later axes. Neighbours are tried in a
+    fixed order, so every rank finds the same plan."""
     start, goal = tuple(meta.sbp), tuple(dst_sbp)
     direct = _direct(meta, start, goal)
     if direct is not None:
         return BoxingPlan(meta, dst_sbp, direct)
+    steps = collective_steps(meta, goal)
+    swap = _point_to_point(meta, start, goal)
+    if swap is not None and swap.cost < sum(s.cost for s in steps):
+        return BoxingPlan(meta, dst_sbp, (swap,))
+    return BoxingPlan(meta, dst_sbp, steps)
+
+
+def collective_steps(meta: GlobalMeta, goal: tuple[SbpType, ...]) -> tuple[BoxingStep, ...]:
+    """The cheapest sequence of 1-D transitions from ``meta.sbp`` to ``goal`` (Dijkstra; see plan_boxing)."""
+    start = tuple(meta.sbp)
     candidates = _candidates(meta, goal)
     best = {start: (0, 0)}
     came_from: dict = {}
@@ -178,4 +213,4 @@ def plan_boxing(meta: GlobalMeta, dst_sbp: tuple[SbpType, ...]) -> BoxingPlan:
     while cur != start:
         cur, step = came_from[cur]
         steps.append(step)
-    return BoxingPlan(meta, dst_sbp, tuple(reversed(steps)))
+    return tuple(reversed(steps))

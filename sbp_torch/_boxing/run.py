@@ -7,7 +7,8 @@ import torch.distributed as dist
 
 from .._layout import GlobalMeta
 from .._process_groups import axis_group
-from .plan import BoxingPlan, axis_view
+from .pieces import box_of, exchange
+from .plan import POINT_TO_POINT, BoxingPlan, axis_view
 from .transitions import transition
 
 
@@ -19,6 +20,11 @@ def run_plan(local: torch.Tensor, plan: BoxingPlan) -> torch.Tensor:
     if coord is None or meta.numel == 0:
         return local.new_empty(target.local_shape(coord))
     for step in plan.steps:
+        if step.collective == POINT_TO_POINT:
+            out = local.new_empty(target.local_shape(coord))
+            local = exchange(local, box_of(meta, coord)[0], step.pieces, out, box_of(target, coord)[0])
+            meta = target
+            continue
         row = transition(step.src, step.dst)
         group = None if row.is_local else axis_group(meta.placement, step.axis)
         local = row.run(local, step.src, step.dst, axis_view(meta, step.axis, coord), group)
