@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st_
 
 import sbp_torch as st
-from sbp_torch._boxing.plan import POINT_TO_POINT, collective_steps, plan_boxing
+from sbp_torch._boxing.plan import POINT_TO_POINT, plan_boxing, search
 from sbp_torch._layout import GlobalMeta, balanced_sizes
 from sbp_torch.sbp import broadcast, partial_max, partial_min, partial_sum, split
 
@@ -61,7 +61,7 @@ def test_nested_split_moves_the_inner_axis_off_the_gathered_dim():
     by all-to-all, cheaper than the release to broadcast (gather, gather, slice) it competes with. Sending
     each rank the quarters it lacks beats both: 6 of the 16 quarters the ranks hold move, in 6 messages."""
     meta = GlobalMeta(BIG, torch.float32, GRID, (split(0), split(0)))
-    steps = collective_steps(meta, (broadcast, split(0)))
+    steps = search(meta, (broadcast, split(0)), point_to_point=False)
     first_gather = next(i for i, s in enumerate(steps) if s.axis == 0)
     assert all(s.dst != split(0) for s in steps[:first_gather] if s.axis == 1)
     release = [((split(0), split(0)), (split(0), broadcast)), ((split(0), broadcast), (broadcast, broadcast)),
@@ -113,6 +113,10 @@ def test_every_2d_plan_ends_at_the_target_and_is_deterministic(src, dst):
     p = plan(src, dst, placement=grid)
     state = list(src)
     for step in p.steps:
+        if step.collective == POINT_TO_POINT:  # every axis at once, never from or to a partial layout
+            assert tuple(state) == step.src and not any(s in (partial_sum, partial_max, partial_min) for s in state)
+            state = list(step.dst)
+            continue
         assert state[step.axis] == step.src
         state[step.axis] = step.dst
     assert tuple(state) == dst
@@ -130,9 +134,16 @@ def test_swaps_are_point_to_point_at_the_minimum_bytes(src, dst, quarters_moved)
         p = plan(src, dst, shape=shape, placement=GRID)
         assert [s.collective for s in p.steps] == [POINT_TO_POINT]
         assert p.bytes_sent == quarters_moved * n // 4
-        assert p.bytes_sent < sum(s.bytes_sent for s in collective_steps(p.meta, dst))
+        assert p.bytes_sent < sum(s.bytes_sent for s in search(p.meta, dst, point_to_point=False))
 
 
-def test_partial_ends_never_go_point_to_point():
+def test_partial_sources_are_reduced_before_going_point_to_point():
+    """(P, S0) -> (S0, S1): the minimum sends 3/4 N (the module docstring of benchmarks/suites/boxing.py);
+    collectives alone send N."""
     p = plan((partial_sum, split(0)), (split(0), split(1)), shape=BIG, placement=GRID)
-    assert POINT_TO_POINT not in [s.collective for s in p.steps]
+    assert POINT_TO_POINT in [s.collective for s in p.steps]
+    assert p.steps[0].collective == "reduce-scatter" and p.steps[-1].collective == POINT_TO_POINT
+    only_collectives = search(p.meta, (split(0), split(1)), point_to_point=False)
+    assert p.bytes_sent < sum(s.bytes_sent for s in only_collectives)
+    to_partial = plan((split(0), broadcast), (partial_sum, split(0)), shape=BIG, placement=GRID)
+    assert POINT_TO_POINT not in [s.collective for s in to_partial.steps]

@@ -61,12 +61,16 @@ def box_of(meta: GlobalMeta, coord: tuple[int, ...]) -> Box:
 
 
 def intersection(a: Box, b: Box) -> Box | None:
-    """The common part of two boxes, or None when it holds no element."""
-    starts = tuple(max(sa, sb) for sa, sb in zip(a[0], b[0]))
-    ends = tuple(min(sa + na, sb + nb) for sa, na, sb, nb in zip(*a, *b))
-    if any(e <= s for s, e in zip(starts, ends)):
-        return None
-    return starts, tuple(e - s for s, e in zip(starts, ends))
+    """The common part of two boxes, or None when it holds no element (a plain loop: planners call it for
+    every pair of boxes)."""
+    starts, lengths = [], []
+    for sa, na, sb, nb in zip(a[0], a[1], b[0], b[1]):
+        start, end = max(sa, sb), min(sa + na, sb + nb)
+        if end <= start:
+            return None
+        starts.append(start)
+        lengths.append(end - start)
+    return tuple(starts), tuple(lengths)
 
 
 def fill_of(meta: GlobalMeta, coord: tuple[int, ...]):

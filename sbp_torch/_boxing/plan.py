@@ -10,8 +10,9 @@ the cheapest sequence of 1-D transitions (Dijkstra's algorithm over the N-D layo
 
 Collectives move whole axes; some N-D changes need less. In ``(S0, B) -> (B, S0)`` on a 2x2 mesh two ranks
 already hold what they need and the other two swap halves, while any sequence of collectives gathers first.
-So where neither end is partial, the plan may instead be one point-to-point step that sends each rank just
-the pieces it lacks (``pieces.py``), chosen when its cost (bytes plus a latency per message) is lower.
+So the search has one more kind of step: from the source, or the source with its partial axes reduced by
+collectives, to a goal without partial axes, send each rank just the pieces it lacks (``pieces.py``), costed
+as its bytes plus a latency per message.
 """
 
 from __future__ import annotations
@@ -154,42 +155,58 @@ def _direct(meta: GlobalMeta, start: tuple, goal: tuple) -> tuple | None:
     return None
 
 
-def _point_to_point(meta: GlobalMeta, start: tuple, goal: tuple) -> BoxingStep | None:
-    """The step that sends every rank the pieces of ``goal`` it lacks, where neither end is partial."""
-    if any(isinstance(s, Partial) for s in start + goal):
-        return None
-    pieces = pieces_between(meta, meta.with_sbp(goal))
+def _reduced_only(start: tuple, cur: tuple) -> bool:
+    """Whether ``cur`` has no partial axis and differs from ``start`` only where ``start`` was partial: the
+    layouts a point-to-point step may leave from (the source, or the source with its partial axes reduced).
+    Leaving from every layout would find little more and cost a pieces computation per layout searched."""
+    return all(not isinstance(c, Partial) and (c == s or isinstance(s, Partial)) for s, c in zip(start, cur))
+
+
+@lru_cache(maxsize=65536)
+def _point_to_point(at: GlobalMeta, goal: tuple) -> BoxingStep:
+    """The step that sends every rank of a tensor laid out as ``at`` the pieces of ``goal`` it lacks (neither
+    may be partial), memoized like ``_step``."""
+    pieces = pieces_between(at, at.with_sbp(goal))
     moved = [p for p in pieces if not p.is_local]
-    sent = sum(p.numel for p in moved) * meta.dtype.itemsize
-    return BoxingStep(-1, start, goal, POINT_TO_POINT, sent, sent + len(moved) * LATENCY_BYTES_PER_RANK, pieces)
+    sent = sum(p.numel for p in moved) * at.dtype.itemsize
+    return BoxingStep(-1, at.sbp, goal, POINT_TO_POINT, sent, sent + len(moved) * LATENCY_BYTES_PER_RANK, pieces)
 
 
 @lru_cache(maxsize=4096)
 def plan_boxing(meta: GlobalMeta, dst_sbp: tuple[SbpType, ...]) -> BoxingPlan:
     """The plan that takes a global tensor of ``meta`` to ``dst_sbp`` on the same placement (both validated):
-    the cheapest sequence of 1-D transitions (cost: bytes plus latency; then number of steps), found by
-    Dijkstra's search over the N-D layouts, or one point-to-point step where that costs less. Each 1-D step
-    moves one axis by a row of the 1-D table and must commute with the later axes. Neighbours are tried in a
-    fixed order, so every rank finds the same plan."""
+    the cheapest sequence of steps (cost: bytes plus latency; then number of steps), found by Dijkstra's
+    search over the N-D layouts. A step moves one axis by a row of the 1-D table and must commute with the
+    later axes, or sends the pieces point to point from the source, or the source with its partial axes
+    reduced, to a goal without partial axes. Neighbours are tried in a fixed order, so every rank finds the
+    same plan."""
     start, goal = tuple(meta.sbp), tuple(dst_sbp)
     direct = _direct(meta, start, goal)
     if direct is not None:
         return BoxingPlan(meta, dst_sbp, direct)
-    steps = collective_steps(meta, goal)
-    swap = _point_to_point(meta, start, goal)
-    if swap is not None and swap.cost < sum(s.cost for s in steps):
-        return BoxingPlan(meta, dst_sbp, (swap,))
-    return BoxingPlan(meta, dst_sbp, steps)
+    return BoxingPlan(meta, dst_sbp, search(meta, goal))
 
 
-def collective_steps(meta: GlobalMeta, goal: tuple[SbpType, ...]) -> tuple[BoxingStep, ...]:
-    """The cheapest sequence of 1-D transitions from ``meta.sbp`` to ``goal`` (Dijkstra; see plan_boxing)."""
+def search(meta: GlobalMeta, goal: tuple[SbpType, ...], point_to_point: bool = True) -> tuple[BoxingStep, ...]:
+    """The cheapest steps from ``meta.sbp`` to ``goal`` (see plan_boxing); only collectives when
+    ``point_to_point`` is False."""
     start = tuple(meta.sbp)
     candidates = _candidates(meta, goal)
+    goal_whole = point_to_point and not any(isinstance(s, Partial) for s in goal)
     best = {start: (0, 0)}
     came_from: dict = {}
     frontier = [(0, 0, 0, start)]
     pushed = 1
+
+    def relax(cur, nxt, step, cost, n_steps):
+        nonlocal pushed
+        score = (cost + step.cost, n_steps + 1)
+        if nxt not in best or score < best[nxt]:
+            best[nxt] = score
+            came_from[nxt] = (cur, step)
+            heapq.heappush(frontier, (*score, pushed, nxt))
+            pushed += 1
+
     while frontier:
         cost, n_steps, _, cur = heapq.heappop(frontier)
         if cur == goal:
@@ -200,14 +217,9 @@ def collective_steps(meta: GlobalMeta, goal: tuple[SbpType, ...]) -> tuple[Boxin
             for t in candidates:
                 if t == s or (isinstance(s, Partial) and isinstance(t, Partial)) or not _commutes(cur, axis, s, t):
                     continue
-                step = _step(meta.with_sbp(cur), axis, t)
-                nxt = cur[:axis] + (t,) + cur[axis + 1 :]
-                score = (cost + step.cost, n_steps + 1)
-                if nxt not in best or score < best[nxt]:
-                    best[nxt] = score
-                    came_from[nxt] = (cur, step)
-                    heapq.heappush(frontier, (*score, pushed, nxt))
-                    pushed += 1
+                relax(cur, cur[:axis] + (t,) + cur[axis + 1 :], _step(meta.with_sbp(cur), axis, t), cost, n_steps)
+        if goal_whole and _reduced_only(start, cur):
+            relax(cur, goal, _point_to_point(meta.with_sbp(cur), goal), cost, n_steps)
     steps = []
     cur = goal
     while cur != start:
