@@ -147,3 +147,9 @@ def test_partial_sources_are_reduced_before_going_point_to_point():
     assert p.bytes_sent < sum(s.bytes_sent for s in only_collectives)
     to_partial = plan((split(0), broadcast), (partial_sum, split(0)), shape=BIG, placement=GRID)
     assert POINT_TO_POINT not in [s.collective for s in to_partial.steps]
+
+
+def test_local_changes_stay_local_slices():
+    """B -> S needs no message: local slices (views), not a point-to-point step that copies pieces."""
+    p = plan((broadcast, broadcast), (split(0), split(1)), shape=BIG, placement=GRID)
+    assert [s.collective for s in p.steps] == ["local slice", "local slice"]

@@ -249,6 +249,7 @@ def _bare(env: _Env, shape, plan):
     for step in plan.steps:
         if step.collective == POINT_TO_POINT:  # every axis at once: the same pieces, sent and received
             calls.append(_bare_point_to_point(step.pieces))
+            cur = [_token(s) for s in step.dst]
             continue
         p, group = env.shape[step.axis], env.mesh.get_group(step.axis)
         shared = cur.copy()
@@ -280,6 +281,13 @@ def _bare(env: _Env, shape, plan):
             call()
 
     return run
+
+
+def _step_label(step) -> str:
+    if step.collective == POINT_TO_POINT:
+        src, dst = (",".join(_token(s) for s in sbp) for sbp in (step.src, step.dst))
+        return f"every axis: ({src})->({dst}) {step.collective}"
+    return f"axis {step.axis}: {_token(step.src)}->{_token(step.dst)} {step.collective}"
 
 
 def _bare_point_to_point(pieces):
@@ -353,7 +361,7 @@ def _case(env: _Env, src, dst, label, shape, quick) -> dict:
     row = {
         "mesh": env.name, "src": list(src), "dst": list(dst), "size": label, "shape": list(shape),
         "nbytes": full.numel() * full.element_size(),
-        "plan": [f"axis {s.axis}: {_token(s.src)}->{_token(s.dst)} {s.collective}" for s in plan.steps],
+        "plan": [_step_label(s) for s in plan.steps],
         "bytes_sbp": plan.bytes_sent,
         "bytes_min": min_bytes(shape, full.element_size(), env.shape, src, dst),
     }

@@ -198,9 +198,9 @@ def search(meta: GlobalMeta, goal: tuple[SbpType, ...], point_to_point: bool = T
     frontier = [(0, 0, 0, start)]
     pushed = 1
 
-    def relax(cur, nxt, step, cost, n_steps):
+    def relax(cur, nxt, step, cost, n_steps, weight=1):
         nonlocal pushed
-        score = (cost + step.cost, n_steps + 1)
+        score = (cost + step.cost, n_steps + weight)
         if nxt not in best or score < best[nxt]:
             best[nxt] = score
             came_from[nxt] = (cur, step)
@@ -219,7 +219,8 @@ def search(meta: GlobalMeta, goal: tuple[SbpType, ...], point_to_point: bool = T
                     continue
                 relax(cur, cur[:axis] + (t,) + cur[axis + 1 :], _step(meta.with_sbp(cur), axis, t), cost, n_steps)
         if goal_whole and _reduced_only(start, cur):
-            relax(cur, goal, _point_to_point(meta.with_sbp(cur), goal), cost, n_steps)
+            # counted as more steps than any per-axis route, so that on a tie those win (local slices are views)
+            relax(cur, goal, _point_to_point(meta.with_sbp(cur), goal), cost, n_steps, weight=len(goal) + 1)
     steps = []
     cur = goal
     while cur != start:
