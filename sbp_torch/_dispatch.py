@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ._conversions import box_local
+from ._foreach_norm import COALESCED
 from . import _global_tensor
 from ._global_tensor import GlobalTensor
 from ._layout import GlobalMeta
@@ -318,7 +319,11 @@ _foreach_plans: dict = {}
 
 def _run_foreach(func, args, kwargs):
     """A foreach op. The first call of a call shape runs index by index, each index deciding its own layout
-    (see ``_signatures/foreach.py``); if every index then ran locally, later calls run as one local call."""
+    (see ``_signatures/foreach.py``); if every index then ran locally, later calls run as one local call.
+    Ops in ``COALESCED`` (norms, which reduce across ranks) have their own path for lists of global tensors."""
+    coalesced = COALESCED.get(func)
+    if coalesced is not None and all(isinstance(t, GlobalTensor) for t in args[0]):
+        return coalesced(func, args, kwargs)
     key = argument_key(func, args, kwargs)
     try:
         plan = _foreach_plans.get((func, key))

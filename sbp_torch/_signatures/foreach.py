@@ -32,6 +32,10 @@ PARTIAL_KINDS = {
     aten._foreach_div_.Scalar: "scale",
     aten._foreach_div.ScalarList: "scale",
     aten._foreach_div_.ScalarList: "scale",
+    aten._foreach_mul.Tensor: "scale",  # by one 0-dim tensor (clip_grad_norm_'s clip coefficient)
+    aten._foreach_mul_.Tensor: "scale",
+    aten._foreach_div.Tensor: "scale",
+    aten._foreach_div_.Tensor: "scale",
     aten._foreach_zero_.default: "copy",
 }
 
@@ -78,8 +82,8 @@ def foreach(call: OpCall) -> list[Signature]:
     kind = PARTIAL_KINDS.get(call.func)
     if kind == "sum":
         signatures.append(Signature((P,) * n_in, (P,) * n_out))
-    elif kind == "scale" and n_in == 1:
-        signatures.append(Signature((P,), (P,) * n_out))
+    elif kind == "scale":  # a partial sum times (or over) numbers or a broadcast tensor
+        signatures.append(Signature((P,) + (B,) * (n_in - 1), (P,) * n_out))
     elif kind == "copy":
         signatures += [Signature((Partial(op),), (Partial(op),) * n_out) for op in ("sum", "max", "min")]
     return signatures
