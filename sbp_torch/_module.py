@@ -8,10 +8,11 @@ a split tensor is *one part* of a bigger logical tensor: a model is written for 
 Gradient policy: a broadcast parameter used with split activations gets a partial-sum gradient. When a
 gradient is accumulated into ``.grad`` it is boxed to ``gradient_sbp(param.sbp)`` (the parameter's own layout
 for split and broadcast parameters), so optimizers see gradients laid out like their parameters. Gradients
-whose boxing is only all-reduces (the data-parallel case) are bucketed: they are flattened into buffers of up
-to ``bucket_mb`` megabytes per (placement, dtype, route) and reduced with one collective per buffer, when the
-buffer is full or at the end of backward. The collectives are synchronous, so buckets cut the number of
-calls (latency) but do not overlap with the rest of backward.
+whose boxing is only all-reduces (the data-parallel case) or one reduce-scatter (a partial gradient of a split
+parameter: sharded data parallelism, ZeRO / FSDP style) are bucketed: they are combined into buffers of up to
+``bucket_mb`` megabytes per (placement, dtype, route) and reduced with one collective per buffer, when the
+buffer is full or at the end of backward. All-reduce buckets start asynchronously, so they overlap the rest of
+backward; reduce-scatter buckets run when they are started.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from torch import nn
 
 from . import _collectives as coll
-from ._boxing.plan import plan_boxing
+from ._boxing.plan import axis_view, plan_boxing
 from ._conversions import box_local, gradient_sbp, to_global
 from ._global_tensor import GlobalTensor
 from ._layout import normalize_sbp
@@ -103,11 +104,13 @@ def module_to_global(module: nn.Module, placement: Placement, sbp=None, *, bucke
 
 
 class GradientReducer:
-    """Boxes each accumulated gradient to ``gradient_sbp(param.sbp)``, bucketing all-reduce-only routes.
+    """Boxes each accumulated gradient to ``gradient_sbp(param.sbp)``, bucketing all-reduce-only routes and
+    single reduce-scatters.
 
     A bucket that fills during backward starts its all-reduce at once (asynchronously) and backward goes on;
     at the end of backward the remaining buckets start, then every bucket is waited for in the order it
-    started (the same on every rank) and its gradients take their reduced values.
+    started (the same on every rank) and its gradients take their reduced values. A reduce-scatter bucket
+    runs (synchronously) when it is started, in the same order.
     """
 
     def __init__(self, params: list[nn.Parameter], bucket_mb: float):
@@ -124,10 +127,13 @@ class GradientReducer:
         if not isinstance(grad, GlobalTensor) or grad.sbp == target:
             return
         plan = plan_boxing(grad._meta, target)
-        if not all(step.collective == "all-reduce" for step in plan.steps):
+        scatter = len(plan.steps) == 1 and plan.steps[0].collective == "reduce-scatter"
+        if not scatter and not all(step.collective == "all-reduce" for step in plan.steps):
             param.grad = GlobalTensor(box_local(grad._local, grad._meta, target), grad._meta.with_sbp(target))
             return
-        key = (grad.placement, grad.dtype, tuple((s.axis, s.src) for s in plan.steps), target)
+        route = tuple((s.axis, s.src) for s in plan.steps)
+        # all-reduce buckets share a target layout; reduce-scatter buckets mix them (each part is cut alone)
+        key = (grad.placement, grad.dtype, route, "reduce-scatter" if scatter else target)
         bucket = self.buckets.setdefault(key, [])
         bucket.append(param)
         if sum(p.grad._local.numel() for p in bucket) * grad.dtype.itemsize >= self.bucket_bytes:
@@ -137,11 +143,15 @@ class GradientReducer:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_all)
 
     def _start(self, key) -> None:
-        """Start the first all-reduce of bucket ``key``; the later axes (N-D placements) run when finished."""
+        """Start the first all-reduce of bucket ``key``; the later axes (N-D placements) run when finished.
+        A reduce-scatter bucket runs now."""
         params = self.buckets.pop(key, [])
         if not params:
             return
         placement, _, steps, target = key
+        if target == "reduce-scatter":
+            _reduce_scatter_bucket(params, placement, *steps[0])
+            return
         flat = torch.cat([p.grad._local.reshape(-1) for p in params])
         finish = None
         if placement.coord_of(torch.distributed.get_rank()) is not None:
@@ -165,3 +175,43 @@ class GradientReducer:
                 part = flat[offset : offset + local.numel()].view(local.shape)
                 offset += local.numel()
                 p.grad = GlobalTensor(part, p.grad._meta.with_sbp(target))
+
+
+def _reduce_scatter_bucket(params: list, placement, axis: int, src) -> None:
+    """One reduce-scatter on ``axis`` for the partial gradients of ``params``, each to its own split.
+
+    Each gradient is cut along its target's split dim into the axis' parts (uneven ones included); the buffer
+    holds, for each coordinate along the axis in turn, the parts that coordinate keeps, of every gradient,
+    padded to the longest such segment. After the reduce-scatter, this rank's segment is cut back into its
+    parts of each gradient."""
+    coord = placement.coord_of(torch.distributed.get_rank())
+    if coord is None:  # not a rank of the placement: nothing held, nothing to reduce
+        for p in params:
+            target = gradient_sbp(p.sbp)
+            meta = p.grad._meta.with_sbp(target)
+            p.grad = GlobalTensor(p.grad._local.new_empty(meta.local_shape(coord)), meta)
+        return
+    n = placement.shape[axis]
+    segments: list[list[torch.Tensor]] = [[] for _ in range(n)]
+    kept = []  # per gradient: the shape of this rank's part, with the split dim first
+    for p in params:
+        grad, dim = p.grad, gradient_sbp(p.sbp)[axis].dim
+        sizes = axis_view(grad._meta, axis, coord).sizes(dim)
+        rows = grad._local.movedim(dim, 0)
+        for index, part in enumerate(rows.split(sizes)):
+            segments[index].append(part.reshape(-1))
+        kept.append((dim, (sizes[coord[axis]], *rows.shape[1:])))
+    flat = [torch.cat(parts) for parts in segments]
+    longest = max(f.numel() for f in flat)
+    buffer = flat[0].new_zeros((n, longest))
+    for index, f in enumerate(flat):
+        buffer[index, : f.numel()] = f
+    mine = coll.reduce_scatter(buffer, src.op, 0, [1] * n, axis_group(placement, axis))[0]
+    offset = 0
+    for p, (dim, shape) in zip(params, kept):
+        count = 1
+        for size in shape:
+            count *= size
+        local = mine[offset : offset + count].view(shape).movedim(0, dim).contiguous()
+        offset += count
+        p.grad = GlobalTensor(local, p.grad._meta.with_sbp(gradient_sbp(p.sbp)))

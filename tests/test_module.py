@@ -89,6 +89,37 @@ def test_buckets_reduce_during_backward():
     run_on_world(4, _compare_training, (broadcast, broadcast), (split(0), split(0)), "adamw", True, [[0, 1], [2, 3]], tiny)
 
 
+def _sharded_data_parallel(mesh, input_sbp, bucket_mb):
+    """``_compare_training`` with every parameter split on the first axis (ZeRO / FSDP style), counting the
+    reduce-scatters that gradient reduction runs."""
+    from sbp_torch import _collectives
+
+    calls = []
+    reduce_scatter = _collectives.reduce_scatter
+
+    def counting(x, *args):
+        calls.append(tuple(x.shape))
+        return reduce_scatter(x, *args)
+
+    _collectives.reduce_scatter = counting
+    try:
+        _compare_training(split(0), input_sbp, "adamw", True, mesh, bucket_mb)
+    finally:
+        _collectives.reduce_scatter = reduce_scatter
+    return len(calls)
+
+
+@pytest.mark.parametrize("mesh,input_sbp", [([0, 1, 2], split(0)), ([0, 1], split(0))])
+def test_sharded_parameters_reduce_scatter_their_gradients_in_buckets(mesh, input_sbp):
+    """Split parameters used by split batches get partial gradients, reduce-scattered to their split (uneven
+    on 3 ranks): one collective for all of them per step when they fit one bucket, one each with tiny ones."""
+    world = len(mesh)
+    bucketed = run_on_world(world, _sharded_data_parallel, mesh, input_sbp, 25.0)
+    one_each = run_on_world(world, _sharded_data_parallel, mesh, input_sbp, 1e-6)
+    for together, alone in zip(bucketed, one_each):
+        assert together < alone, (together, alone)
+
+
 def _tied_and_errors():
     p = st.placement("cpu", [0, 1])
     emb = nn.Embedding(5, 4)
