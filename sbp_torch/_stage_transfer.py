@@ -4,8 +4,12 @@ actors.
 The sender does not block: ``send`` posts the pieces with ``dist.isend`` and returns a poll that reports when
 they are gone. The receiver does not know the tensor's shape or SBP in advance (micro-batches may differ in
 size, a stage may return a split or partial activation), so the first rank of the source placement sends a
-small header (pickled shape, dtype and SBP) to every destination rank first; ``recv`` posts the header's
-receive, then the pieces' receives, and builds the destination part from them. The pieces are those of the
+small header (pickled shape, dtype and SBP) to every destination rank. Waiting for the header before posting
+the data's receives would put a second rendezvous on every hand-over, so ``recv`` posts the header's receive
+and, at once, the receives of the layout it guesses: the last one on this channel (``Channel``), which the
+sender knows too. A right guess (the usual case: micro-batches of one size) costs nothing more; after a wrong
+one the sender has answered the guessed receives with zeros and sends the real pieces under the next tags.
+The destination part is built from the pieces, which are those of the
 cross-placement plan (``_boxing.cross_placement``), so each destination rank receives only the box it needs.
 A partial source is reduced inside its stage (``to_global`` on the source placement, run by the caller, which
 every rank of the stage reaches in the same order) before it is sent, so pieces never overlap.
@@ -29,6 +33,7 @@ from ._sbp import Broadcast, Partial
 BROADCAST = Broadcast()
 
 HEADER_BYTES = 1024
+TAGS_PER_TRANSFER = 1 << 10  # the header, the guessed pieces and the real pieces of one tensor
 
 
 def without_partial(sbp: tuple) -> tuple:
@@ -100,22 +105,46 @@ class Waiters:
         self.threads.clear()
 
 
-def send(x: GlobalTensor, dst_placement, tag: int, waiters: Waiters):
+class Channel:
+    """One direction of one stage boundary, as seen by one rank: the source layout of its last tensor. Sender
+    and receivers see the same sequence of layouts (an actor fires again only when its last transfer is done),
+    so both know what the receivers will guess for the next one."""
+
+    def __init__(self):
+        self.last: GlobalMeta | None = None
+
+
+def _destination(src: GlobalMeta, dst_placement) -> GlobalMeta:
+    return GlobalMeta(src.shape, src.dtype, dst_placement, _receiver_sbp(src.sbp, dst_placement))
+
+
+def send(x: GlobalTensor, dst_placement, tag: int, waiters: Waiters, channel: Channel):
     """Post this rank's pieces of ``x`` (no partial axes) towards ``dst_placement``; returns a poll:
-    ``() -> True`` once every send completed (``waiters.notify()`` is called then). ``tag`` .. ``tag + pieces``
-    are used."""
+    ``() -> True`` once every send completed (``waiters.notify()`` is called then).
+
+    Tags from ``tag`` on: the header, then the pieces of the layout the receivers guessed (the channel's last),
+    then, if the guess is wrong, the real pieces after those. A wrong guess is answered with zeros of the
+    guessed sizes, so that no posted receive is left waiting."""
     me, meta = dist.get_rank(), x._meta
     works = []
     if me == meta.placement.flat_ranks[0]:
         header = _header(meta)
         works += [dist.isend(header, r, tag=tag) for r in dst_placement.flat_ranks]
-    dst = GlobalMeta(meta.shape, meta.dtype, dst_placement, _receiver_sbp(meta.sbp, dst_placement))
-    plan = _plan(meta, dst)
-    coord = meta.placement.coord_of(me)
-    origin = box_of(meta, coord)[0]
+    guess, channel.last = channel.last, meta
+    first = tag + 1
+    if guess is not None and guess != meta:
+        guessed = _plan(guess, _destination(guess, dst_placement)).pieces
+        works += [dist.isend(torch.zeros(p.lengths, dtype=guess.dtype), p.dst, tag=first + i)
+                  for i, p in enumerate(guessed) if p.src == me]
+        first += len(guessed)
+    plan = _plan(meta, _destination(meta, dst_placement))
+    if first + len(plan.pieces) > tag + TAGS_PER_TRANSFER:
+        raise ValueError(f"a tensor of {meta} travels in too many pieces ({len(plan.pieces)}) between stages")
+    origin = box_of(meta, meta.placement.coord_of(me))[0]
     for i, piece in enumerate(plan.pieces):
         if piece.src == me:
-            works.append(dist.isend(cut(x._local, origin, piece).contiguous(), piece.dst, tag=tag + 1 + i))
+            works.append(dist.isend(cut(x._local, origin, piece).contiguous(), piece.dst, tag=first + i))
+
     def wait_all():
         for work in works:
             work.wait()
@@ -131,30 +160,57 @@ def _receiver_sbp(src_sbp: tuple, dst_placement) -> tuple:
     return (BROADCAST,) * dst_placement.ndim
 
 
-def recv(src_placement, dst_placement, tag: int, requires_grad: bool, waiters: Waiters):
-    """Post the receives of a tensor sent by ``send`` from ``src_placement``; returns a poll:
-    ``() -> GlobalTensor`` on ``dst_placement`` (a leaf) once it has arrived, None before."""
+def _post_receives(src: GlobalMeta, dst_placement, first_tag: int):
+    """Post this rank's receives of the pieces of a tensor of ``src``; returns (its part, finish), where
+    ``finish()`` waits for them and fills the part. Pieces that are contiguous views of the part are received
+    in place."""
     me = dist.get_rank()
+    dst = _destination(src, dst_placement)
+    coord = dst_placement.coord_of(me)
+    out = torch.empty(dst.local_shape(coord), dtype=src.dtype)
+    origin = box_of(dst, coord)[0]
+    posted = []
+    for i, piece in enumerate(_plan(src, dst).pieces):
+        if piece.dst == me:
+            view = cut(out, origin, piece)
+            buf = view if view.is_contiguous() else torch.empty(piece.lengths, dtype=src.dtype)
+            posted.append((dist.irecv(buf, piece.src, tag=first_tag + i), buf, view))
+
+    def finish():
+        for work, buf, view in posted:
+            work.wait()
+            if buf is not view:
+                view.copy_(buf)
+        return out, dst
+
+    return finish, len(_plan(src, dst).pieces)
+
+
+def recv(src_placement, dst_placement, tag: int, requires_grad: bool, waiters: Waiters, channel: Channel):
+    """Post the receives of a tensor sent by ``send`` from ``src_placement``; returns a poll:
+    ``() -> GlobalTensor`` on ``dst_placement`` (a leaf) once it has arrived, None before.
+
+    The header and, guessing that the layout is the channel's last one, the pieces are posted at once, so the
+    data need not wait for the header to arrive first. A wrong guess receives zeros, then the real pieces."""
     header = torch.empty(HEADER_BYTES, dtype=torch.uint8)
     header_work = dist.irecv(header, src_placement.flat_ranks[0], tag=tag)
+    guess = channel.last
+    guessed = _post_receives(guess, dst_placement, tag + 1) if guess is not None else None
 
     def receive():
         header_work.wait()
         shape, dtype, sbp = _parse_header(header)
         src = GlobalMeta(shape, dtype, src_placement, sbp)
-        dst = GlobalMeta(shape, dtype, dst_placement, _receiver_sbp(sbp, dst_placement))
-        coord = dst_placement.coord_of(me)
-        out = torch.empty(dst.local_shape(coord), dtype=dtype)
-        origin = box_of(dst, coord)[0]
-        for i, piece in enumerate(_plan(src, dst).pieces):
-            if piece.dst == me:
-                # received straight into the destination part when the piece is a contiguous view of it
-                view = cut(out, origin, piece)
-                buf = view if view.is_contiguous() else torch.empty(piece.lengths, dtype=dtype)
-                dist.irecv(buf, piece.src, tag=tag + 1 + i).wait()
-                if buf is not view:
-                    view.copy_(buf)
-        return out, dst
+        channel.last = src
+        first = tag + 1
+        if guessed is not None:
+            finish, count = guessed
+            result = finish()
+            if src == guess:
+                return result
+            first += count  # the guess was wrong: its pieces were zeros
+        finish, _ = _post_receives(src, dst_placement, first)
+        return finish()
 
     done = waiters.start(receive)
 

@@ -139,6 +139,7 @@ class Pipeline:
         self.stage = next(s for s, p in enumerate(self.placements) if me in p)
         self._id, self._steps, self._broken = next(_pipeline_ids), 0, None
         self.events, self.peak_activations = [], 0
+        self._channels: dict = {}
 
     @property
     def quota(self) -> int:
@@ -191,6 +192,10 @@ class Pipeline:
         self.tied.end_step()
         return float(flag[0])
 
+    def _channel(self, boundary: int, direction: int) -> transfer.Channel:
+        """The channel of activations (direction 0) or gradients (1) across ``boundary``, kept across steps."""
+        return self._channels.setdefault((boundary, direction), transfer.Channel())
+
     def timeline(self) -> Timeline:
         """The last step's events of every rank (a collective: every rank calls it)."""
         gathered = [None] * dist.get_world_size()
@@ -212,17 +217,19 @@ class Pipeline:
         grad_out = Register("gradient out", TRANSFER_SLOTS) if not first else None
 
         def tag(boundary: int, direction: int, i: int) -> int:
-            return ((boundary * 2 + direction) << 20) | (i << 10)
+            return ((boundary * 2 + direction) * m + i) * transfer.TAGS_PER_TRANSFER
 
         def receiving(src, boundary, direction, requires_grad):
             def body(i, _):
-                poll = transfer.recv(src, here, tag(boundary, direction, i), requires_grad, waiters)
+                poll = transfer.recv(src, here, tag(boundary, direction, i), requires_grad, waiters,
+                                     self._channel(boundary, direction))
                 return Pending(lambda: (lambda x: None if x is None else (x,))(poll()))
             return body
 
         def sending(dst, boundary, direction):
             def body(i, inputs):
-                poll = transfer.send(inputs[0], dst, tag(boundary, direction, i), waiters)
+                poll = transfer.send(inputs[0], dst, tag(boundary, direction, i), waiters,
+                                     self._channel(boundary, direction))
                 return Pending(lambda: () if poll() else None)
             return body
 
