@@ -126,31 +126,31 @@ def send(x: GlobalTensor, dst_placement, tag: int, waiters: Waiters, channel: Ch
     then, if the guess is wrong, the real pieces after those. A wrong guess is answered with zeros of the
     guessed sizes, so that no posted receive is left waiting."""
     me, meta = dist.get_rank(), x._meta
-    works = []
-    if me == meta.placement.flat_ranks[0]:
-        header = _header(meta)
-        works += [dist.isend(header, r, tag=tag) for r in dst_placement.flat_ranks]
     guess, channel.last = channel.last, meta
     first = tag + 1
+    outgoing = []  # (tensor, to rank, tag)
+    if me == meta.placement.flat_ranks[0]:
+        header = _header(meta)
+        outgoing += [(header, r, tag) for r in dst_placement.flat_ranks]
     if guess is not None and guess != meta:
         guessed = _plan(guess, _destination(guess, dst_placement)).pieces
-        works += [dist.isend(torch.zeros(p.lengths, dtype=guess.dtype), p.dst, tag=first + i)
-                  for i, p in enumerate(guessed) if p.src == me]
+        outgoing += [(torch.zeros(p.lengths, dtype=guess.dtype), p.dst, first + i)
+                     for i, p in enumerate(guessed) if p.src == me]
         first += len(guessed)
     plan = _plan(meta, _destination(meta, dst_placement))
     if first + len(plan.pieces) > tag + TAGS_PER_TRANSFER:
         raise ValueError(f"a tensor of {meta} travels in too many pieces ({len(plan.pieces)}) between stages")
     origin = box_of(meta, meta.placement.coord_of(me))[0]
-    for i, piece in enumerate(plan.pieces):
-        if piece.src == me:
-            works.append(dist.isend(cut(x._local, origin, piece).contiguous(), piece.dst, tag=first + i))
+    outgoing += [(cut(x._local, origin, p), p.dst, first + i) for i, p in enumerate(plan.pieces) if p.src == me]
 
-    def wait_all():
+    def post_and_wait():
+        # posted here, not by the actor loop: gloo writes what the socket takes at once in the posting thread
+        works = [dist.isend(t.contiguous(), r, tag=t_) for t, r, t_ in outgoing]
         for work in works:
             work.wait()
         return True
 
-    return waiters.start(wait_all)
+    return waiters.start(post_and_wait)
 
 
 def _receiver_sbp(src_sbp: tuple, dst_placement) -> tuple:
