@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
 from .._layout import GlobalMeta
 from .._sbp import Broadcast, Partial, SbpType, Split
-from .pieces import Piece, pieces_between
+from .pieces import Piece, box_of, coords, intersection, pieces_between
 from .transitions import AxisView, transition
 
 POINT_TO_POINT = "send/recv"
@@ -184,7 +185,30 @@ def plan_boxing(meta: GlobalMeta, dst_sbp: tuple[SbpType, ...]) -> BoxingPlan:
     direct = _direct(meta, start, goal)
     if direct is not None:
         return BoxingPlan(meta, dst_sbp, direct)
-    return BoxingPlan(meta, dst_sbp, search(meta, goal))
+    if any(isinstance(s, Partial) for s in start):
+        return BoxingPlan(meta, dst_sbp, search(meta, goal))
+    # From a source without partial axes the only point-to-point edge leads straight to the goal: the same
+    # as searching with it, but its pieces are computed only when a cheap bound says it could win.
+    steps = search(meta, goal, point_to_point=False)
+    cost = sum(s.cost for s in steps)
+    if not any(isinstance(s, Partial) for s in goal) and _deficit_bound(meta, goal) < cost:
+        swap = _point_to_point(meta, goal)
+        if swap.cost < cost:  # on a tie the collectives win, as in the search
+            steps = (swap,)
+    return BoxingPlan(meta, dst_sbp, steps)
+
+
+def _deficit_bound(meta: GlobalMeta, goal: tuple) -> int:
+    """A lower bound of the point-to-point step's cost: every rank receives at least what it needs and does
+    not hold, in at least one message."""
+    target, total, receivers = meta.with_sbp(goal), 0, 0
+    for c in coords(meta.placement):
+        need = box_of(target, c)
+        common = intersection(box_of(meta, c), need)
+        missing = math.prod(need[1]) - (math.prod(common[1]) if common else 0)
+        if missing:
+            total, receivers = total + missing, receivers + 1
+    return total * meta.dtype.itemsize + receivers * LATENCY_BYTES_PER_RANK
 
 
 def search(meta: GlobalMeta, goal: tuple[SbpType, ...], point_to_point: bool = True) -> tuple[BoxingStep, ...]:
