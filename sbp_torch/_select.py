@@ -23,6 +23,7 @@ from ._global_tensor import GlobalTensor
 from ._layout import GlobalMeta
 from ._sbp import Broadcast, Partial, Split, check_partial_dtype
 from ._schema import argument_name, facts
+from ._shape_rules import pointwise_outputs
 from ._signatures import rule_for
 from ._signatures.core import OpCall, Rule, Signature, TensorInfo, bind
 
@@ -131,6 +132,11 @@ def _on_meta(value):
 
 
 def _meta_outputs(func, args, kwargs) -> list[TensorInfo]:
+    """Each output's shape and dtype: by rule for pointwise ops (``_shape_rules``), else by running the op
+    on meta tensors."""
+    ruled = pointwise_outputs(func, args, kwargs)
+    if ruled is not None:
+        return ruled
     try:
         out = func(*tree_map(_on_meta, args), **tree_map(_on_meta, kwargs))
     except Exception as err:  # no meta kernel, data-dependent shape, ...: the fallback handles it
