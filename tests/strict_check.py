@@ -27,28 +27,40 @@ def strict(fn):
 
 
 @contextlib.contextmanager
-def strict_recording_moves():
-    """Strict mode, with every all-gather and all-to-all recorded as ``(collective name, input shape)`` in
-    the yielded list: for tests that some tensor never moves whole."""
+def recording_collectives(*names):
+    """The calls of the named collectives of ``sbp_torch._collectives`` (``"all_reduce"``, ...), recorded as
+    ``(name, input shape)`` in the yielded list while the block runs."""
     from sbp_torch import _collectives
 
-    moved = []
-    gather, all_to_all = _collectives.all_gather, _collectives.all_to_all
+    calls = []
+    originals = {name: getattr(_collectives, name) for name in names}
 
-    def recording(collective):
+    def recording(name, collective):
         def run(x, *args):
-            moved.append((collective.__name__, tuple(x.shape)))
+            calls.append((name, tuple(x.shape)))
             return collective(x, *args)
 
         return run
 
-    _collectives.all_gather, _collectives.all_to_all = recording(gather), recording(all_to_all)
+    for name, collective in originals.items():
+        setattr(_collectives, name, recording(name, collective))
+    try:
+        yield calls
+    finally:
+        for name, collective in originals.items():
+            setattr(_collectives, name, collective)
+
+
+@contextlib.contextmanager
+def strict_recording_moves():
+    """Strict mode, with every all-gather and all-to-all recorded as ``(collective name, input shape)`` in
+    the yielded list: for tests that some tensor never moves whole."""
     _dispatch.set_strict(True)
     try:
-        yield moved
+        with recording_collectives("all_gather", "all_to_all") as moved:
+            yield moved
     finally:
         _dispatch.set_strict(False)
-        _collectives.all_gather, _collectives.all_to_all = gather, all_to_all
 
 
 def gradient_layouts(fn, inputs, placement, sbps):

@@ -13,7 +13,7 @@ from hypothesis import strategies as st_
 
 import sbp_torch as st
 from sbp_torch.sbp import broadcast, partial_sum, split
-from strict_check import strict_recording_moves
+from strict_check import recording_collectives, strict_recording_moves
 from world import run_on_world
 
 ORDERS = [2, 1, 3.5, math.inf, -math.inf, 0]
@@ -25,25 +25,12 @@ def _values(shapes, seed):
 
 
 def _norms(ranks, shapes, sbps, order, seed):
-    from sbp_torch import _collectives
-
     placement = st.placement("cpu", ranks)
     fulls = _values(shapes, seed)
     replicated = (broadcast,) * placement.ndim
     tensors = [f.to_global(placement, replicated).to_global(sbp=sbp) for f, sbp in zip(fulls, sbps)]
-    reductions = []
-    all_reduce = _collectives.all_reduce
-
-    def counting(x, *args):
-        reductions.append(tuple(x.shape))
-        return all_reduce(x, *args)
-
-    _collectives.all_reduce = counting
-    try:
-        with strict_recording_moves() as moved:  # strict: no op may fall back to gathering
-            norms = torch._foreach_norm(tensors, order)
-    finally:
-        _collectives.all_reduce = all_reduce
+    with recording_collectives("all_reduce") as reductions, strict_recording_moves() as moved:
+        norms = torch._foreach_norm(tensors, order)  # strict: no op may fall back to gathering
     return [n.full_tensor() for n in norms], [n.sbp for n in norms], moved, reductions
 
 

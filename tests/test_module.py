@@ -10,6 +10,7 @@ from torch import nn
 
 import sbp_torch as st
 from sbp_torch.sbp import broadcast, split
+from strict_check import recording_collectives
 from world import run_on_world
 
 OPTIMIZERS = {
@@ -92,20 +93,8 @@ def test_buckets_reduce_during_backward():
 def _sharded_data_parallel(mesh, input_sbp, bucket_mb):
     """``_compare_training`` with every parameter split on the first axis (ZeRO / FSDP style), counting the
     reduce-scatters that gradient reduction runs."""
-    from sbp_torch import _collectives
-
-    calls = []
-    reduce_scatter = _collectives.reduce_scatter
-
-    def counting(x, *args):
-        calls.append(tuple(x.shape))
-        return reduce_scatter(x, *args)
-
-    _collectives.reduce_scatter = counting
-    try:
+    with recording_collectives("reduce_scatter") as calls:
         _compare_training(split(0), input_sbp, "adamw", True, mesh, bucket_mb)
-    finally:
-        _collectives.reduce_scatter = reduce_scatter
     return len(calls)
 
 
