@@ -18,6 +18,7 @@ backward; reduce-scatter buckets run when they are started.
 from __future__ import annotations
 
 import fnmatch
+import math
 from collections.abc import Mapping
 
 import torch
@@ -209,9 +210,7 @@ def _reduce_scatter_bucket(params: list, placement, axis: int, src) -> None:
     mine = coll.reduce_scatter(buffer, src.op, 0, [1] * n, axis_group(placement, axis))[0]
     offset = 0
     for p, (dim, shape) in zip(params, kept):
-        count = 1
-        for size in shape:
-            count *= size
+        count = math.prod(shape)
         local = mine[offset : offset + count].view(shape).movedim(0, dim).contiguous()
         offset += count
         p.grad = GlobalTensor(local, p.grad._meta.with_sbp(gradient_sbp(p.sbp)))

@@ -161,16 +161,17 @@ def _receiver_sbp(src_sbp: tuple, dst_placement) -> tuple:
 
 
 def _post_receives(src: GlobalMeta, dst_placement, first_tag: int):
-    """Post this rank's receives of the pieces of a tensor of ``src``; returns (its part, finish), where
-    ``finish()`` waits for them and fills the part. Pieces that are contiguous views of the part are received
-    in place."""
+    """Post this rank's receives of the pieces of a tensor of ``src``, under tags from ``first_tag`` on;
+    returns (finish, the number of pieces of the plan), where ``finish()`` waits for them and returns (this
+    rank's part, its metadata). Pieces that are contiguous views of the part are received in place."""
     me = dist.get_rank()
     dst = _destination(src, dst_placement)
+    pieces = _plan(src, dst).pieces
     coord = dst_placement.coord_of(me)
     out = torch.empty(dst.local_shape(coord), dtype=src.dtype)
     origin = box_of(dst, coord)[0]
     posted = []
-    for i, piece in enumerate(_plan(src, dst).pieces):
+    for i, piece in enumerate(pieces):
         if piece.dst == me:
             view = cut(out, origin, piece)
             buf = view if view.is_contiguous() else torch.empty(piece.lengths, dtype=src.dtype)
@@ -183,7 +184,7 @@ def _post_receives(src: GlobalMeta, dst_placement, first_tag: int):
                 view.copy_(buf)
         return out, dst
 
-    return finish, len(_plan(src, dst).pieces)
+    return finish, len(pieces)
 
 
 def recv(src_placement, dst_placement, tag: int, requires_grad: bool, waiters: Waiters, channel: Channel):

@@ -29,14 +29,14 @@ def _holds(p: GlobalTensor) -> bool:
     return dist.get_rank() in p.placement
 
 
-def _resolve(stages: list[nn.Module], name: str) -> nn.Parameter:
-    """``"<stage>.<parameter name>"`` -> that stage's parameter."""
+def _resolve(stages: list[nn.Module], name: str) -> tuple[int, nn.Parameter]:
+    """``"<stage>.<parameter name>"`` -> (the stage index, that stage's parameter)."""
     index, _, rest = name.partition(".")
     if not index.isdigit() or int(index) >= len(stages) or not rest:
         raise ValueError(f"tied parameter {name!r}: expected '<stage index>.<parameter name>' with a stage "
                          f"index below {len(stages)}")
     try:
-        return stages[int(index)].get_parameter(rest)
+        return int(index), stages[int(index)].get_parameter(rest)
     except AttributeError as err:
         raise ValueError(f"tied parameter {name!r}: stage {index} has no parameter {rest!r}") from err
 
@@ -50,17 +50,16 @@ class TiedParameters:
             group = list(group)
             if len(group) < 2:
                 raise ValueError(f"a tied group needs at least two parameters, got {group}")
-            params = [_resolve(stages, name) for name in group]
+            stage_of, params = zip(*(_resolve(stages, name) for name in group))
             first = params[0]
             for name, p in zip(group[1:], params[1:]):
                 if (p.shape, p.dtype) != (first.shape, first.dtype):
                     raise ValueError(f"tied parameters {group[0]!r} and {name!r} differ: {tuple(first.shape)} "
                                      f"{first.dtype} against {tuple(p.shape)} {p.dtype}")
-            stage_of = [int(name.partition(".")[0]) for name in group]
             if len(set(stage_of)) < len(stage_of):
                 raise ValueError(f"tied parameters {group} include two on one stage; tie those inside the "
                                  f"stage's module instead")
-            self.groups.append(params)
+            self.groups.append(list(params))
         self._before: list[list] = []
         self._copy_first_values()
 
