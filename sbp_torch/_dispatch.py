@@ -367,6 +367,21 @@ def _runs_as_is(plan: CallPlan | None) -> bool:
     )
 
 
+def ran_as_is(func, args, kwargs) -> bool:
+    """Whether this call, already dispatched once, ran the op on the local parts as they were: its cached
+    plan runs as is (``_runs_as_is``), or it is a foreach call with a ``ForeachPlan``. In-place view ops,
+    coalesced foreach ops and fallbacks do not."""
+    f = facts(func)
+    if f.inplace_view or func in COALESCED:
+        return False
+    if f.foreach:
+        try:
+            return (func, argument_key(func, args, kwargs)) in _foreach_plans
+        except TypeError:
+            return False
+    return _runs_as_is(_cached_plan(func, args, kwargs))
+
+
 def _run_foreach_plan(plan: ForeachPlan, func, args, kwargs):
     local_args = list(args)
     for where in plan.lists:

@@ -55,25 +55,17 @@ class GlobalTensor(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        # Everything goes to __torch_dispatch__ below autograd, except batched matmuls, which torch would
-        # flatten in a way that loses a split of the heads dim (see _batched_matmul.py). The rest runs with
-        # torch functions off, through torch's own C++ helper (cheaper than a context manager per call).
+        # Batched matmuls first: torch would flatten them in a way that loses a split of the heads dim (see
+        # _batched_matmul.py). Then a call autograd does not record may run on the local parts directly
+        # (_local_calls.py). Everything else goes to __torch_dispatch__ below autograd. Both run with torch
+        # functions off, through torch's own C++ helper (cheaper than a context manager per call), so that
+        # reading a getter such as requires_grad does not come back here.
         if func in _batched_matmul.MATMUL_FUNCS and _batched_matmul.applies(func, args, kwargs or {}):
             return _batched_matmul.BatchedMatmul.apply(*args)
-        try:
-            # (kwargs=None reaches getters such as Tensor.dtype as keyword arguments: leave it out instead)
-            if kwargs:
-                return _without_torch_function(func, types, args, kwargs)
-            return _without_torch_function(func, types, args)
-        except RuntimeError as err:
-            if "data is not allocated" not in str(err):
-                raise
-            # A C++ composite read the wrapper's own storage, which is empty (tensor_split's index tensor)
-            raise TypeError(
-                f"{getattr(func, '__name__', func)} reads the values of a global tensor argument directly, "
-                "which sbp_torch cannot intercept; pass that argument as a Python list or a plain tensor "
-                "(full_tensor())"
-            ) from err
+        result = _without_torch_function(_local_calls.call, types, (func, types, args, kwargs))
+        if result is not _local_calls.NOT_HANDLED:
+            return result
+        return below_autograd(func, types, args, kwargs)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -114,8 +106,38 @@ class GlobalTensor(torch.Tensor):
         return GlobalTensor(inner["_local"], meta)
 
 
+_new_wrapper = torch.Tensor._make_wrapper_subclass
+
+
+def wrap_fresh(local: torch.Tensor, meta: GlobalMeta, strides: tuple) -> GlobalTensor:
+    """``GlobalTensor(local, meta)`` for a part that is an op's new result (it carries no lazy conjugate
+    or negative bit), given the logical strides: the shorter constructor of the local calls' hot path."""
+    out = _new_wrapper(GlobalTensor, meta.shape, strides, None, None, meta.dtype, torch.strided, local.device)
+    out._local = local
+    out._meta = meta
+    return out
+
+
+def below_autograd(func, types, args, kwargs):
+    """Run a torch function on global tensors the ordinary way: through autograd to ``__torch_dispatch__``."""
+    try:
+        # (kwargs=None reaches getters such as Tensor.dtype as keyword arguments: leave it out instead)
+        if kwargs:
+            return _without_torch_function(func, types, args, kwargs)
+        return _without_torch_function(func, types, args)
+    except RuntimeError as err:
+        if "data is not allocated" not in str(err):
+            raise
+        # A C++ composite read the wrapper's own storage, which is empty (tensor_split's index tensor)
+        raise TypeError(
+            f"{getattr(func, '__name__', func)} reads the values of a global tensor argument directly, "
+            "which sbp_torch cannot intercept; pass that argument as a Python list or a plain tensor "
+            "(full_tensor())"
+        ) from err
+
+
 # The dispatcher, set by ``_dispatch`` when it is imported: it needs this module, so this one cannot import
 # it at the top, and an import inside ``__torch_dispatch__`` would cost on every op.
 dispatch = None
 
-from . import _batched_matmul  # noqa: E402  (it needs GlobalTensor, defined above)
+from . import _batched_matmul, _local_calls  # noqa: E402  (they need GlobalTensor, defined above)

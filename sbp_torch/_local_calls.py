@@ -1,0 +1,356 @@
+"""Local calls: a torch function that autograd does not record runs on the local parts, skipping dispatch.
+
+Every op on a global tensor normally enters Python twice: ``__torch_function__``, then, below autograd,
+``__torch_dispatch__`` once per aten op, where the call plan runs. When autograd records nothing (grad mode
+off, as in an optimizer step, or no input that requires grad), a torch-function call whose aten ops all ran
+on the local parts unchanged can skip the second entry: on its next call with the same argument key, the
+same torch function is called on the local parts and its result wrapped with the metadata learnt. That is
+the *local call*; it is several microseconds cheaper than the dispatch path (``docs/performance.md``).
+
+A key is learnt on its second call (a shape seen once, as with a changing sequence length, costs no
+learning), which takes the dispatch path while recording each aten op it dispatches. The key becomes a
+local call only if all of these hold:
+
+* it dispatched at least one aten op (a call that dispatches none, such as ``requires_grad_`` or a
+  hook, acts on the wrapper itself) and changed no argument's metadata;
+* every recorded op ran its call plan as is: no boxing, no kernel, no fallback, a member rank, and none
+  seeded by the random generator (see ``ran_as_is`` in ``_dispatch.py``);
+* the torch function, called again on clones of the local parts, dispatches the same aten ops with the same
+  non-tensor arguments, each tensor being the part of the global tensor at the same place. This catches
+  composites that compute an argument from a shape (the wrapper's shape is the logical one);
+* the result is a new tensor (or a list of them) that aliases no input, an argument the call wrote into
+  and returned, or None. Views are left to the dispatch path, which makes them autograd views of their
+  base, sharing its version counter, as torch's in-place checks expect.
+
+A local call bumps the version counter of each global argument the learning call bumped, so autograd still
+refuses a backward through a tensor modified in place. Floats in the key count by value (a composite may
+branch on one: dropout with ``p=0`` returns its input), except for the torch functions in
+``FLOATS_BY_TYPE``, which bind one aten op whose float arguments are Scalars (keyed by type on the aten
+path too), so a learning rate or bias correction that changes every step does not miss.
+
+Set ``SBP_TORCH_LOCAL_CALLS=0`` to turn local calls off (every call then takes the dispatch path).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+
+import torch
+from torch.utils._pytree import tree_flatten
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import _global_tensor
+from ._global_tensor import GlobalTensor, contiguous_strides, wrap_fresh
+from ._layout import GlobalMeta
+
+NOT_HANDLED = object()  # returned when the call must take the dispatch path
+_REFUSED = object()  # cache value of a key that takes the dispatch path
+_SEEN = object()  # cache value of a key seen once: it is learnt on its second call
+
+ENABLED = os.environ.get("SBP_TORCH_LOCAL_CALLS", "1") not in ("0", "")
+
+_T = torch.Tensor
+FLOATS_BY_TYPE = frozenset(
+    [getattr(torch, name) for name in dir(torch) if name.startswith("_foreach_")]
+    + [torch.add, torch.sub, torch.mul, torch.div, torch.lerp, torch.addcmul, torch.addcdiv]
+    + [_T.add, _T.add_, _T.sub, _T.sub_, _T.mul, _T.mul_, _T.div, _T.div_, _T.lerp, _T.lerp_]
+    + [_T.addcmul, _T.addcmul_, _T.addcdiv, _T.addcdiv_]
+    + [_T.__add__, _T.__radd__, _T.__iadd__, _T.__sub__, _T.__isub__, _T.__mul__, _T.__rmul__, _T.__imul__]
+    + [_T.__truediv__, _T.__itruediv__]
+)
+
+
+@dataclass(frozen=True)
+class LocalCall:
+    """What a learnt call returns, given the local result, and which arguments' versions it bumps."""
+
+    returns: str  # "tensor", "list", "tuple", "argument" (an argument it wrote into) or "none"
+    argument: tuple  # for "argument": (position or keyword, None)
+    outputs: tuple[GlobalMeta, ...]  # for "tensor" and "list": the metadata of each output
+    local_shapes: tuple  # this rank's part shape of each output
+    strides: tuple  # the logical (contiguous) strides of each output
+    bumped: tuple  # ((position or keyword, index in a list or None), bumps) of each written global argument
+
+    def finish(self, local, args, kwargs):
+        """The call's result from the local result; None when it is not what was learnt (take dispatch)."""
+        if self.bumped:
+            for where, count in self.bumped:
+                for _ in range(count):
+                    torch._C._increment_version((_at(args, kwargs, where),))
+        if self.returns == "tensor":
+            meta = self.outputs[0]
+            if local.shape != self.local_shapes[0] or local.dtype != meta.dtype:
+                return None
+            return wrap_fresh(local, meta, self.strides[0])
+        if self.returns == "argument":
+            return _at(args, kwargs, self.argument)
+        if self.returns == "none":
+            return None
+        if len(local) != len(self.outputs) or any(
+            t.shape != shape or t.dtype != m.dtype for t, m, shape in zip(local, self.outputs, self.local_shapes)
+        ):
+            return None
+        wrapped = [wrap_fresh(t, m, strides) for t, m, strides in zip(local, self.outputs, self.strides)]
+        return wrapped if self.returns == "list" else tuple(wrapped)
+
+
+def _at(args, kwargs, where):
+    slot, index = where
+    value = kwargs[slot] if isinstance(slot, str) else args[slot]
+    return value if index is None else value[index]
+
+
+_calls: dict = {}  # torch function -> {argument key: LocalCall, _REFUSED or _SEEN}
+_no_tensor: set = set()  # torch functions that dispatched nothing and returned no tensor (shape, dim, ...)
+
+
+def _walk(values, by_type: bool, grad: bool, key: list, local: list) -> bool:
+    """Append each value's key to ``key`` and what the local call passes for it to ``local``; False when the
+    call cannot be a local call (autograd records it, or a plain tensor with dims meets a global one)."""
+    for v in values:
+        t = type(v)
+        if t is GlobalTensor:
+            if grad and v.requires_grad:
+                return False
+            key.append(v._meta)
+            local.append(v._local)
+        elif t is float:
+            key.append(float if by_type else (float, v))
+            local.append(v)
+        elif t is int or t is bool:
+            key.append((t, v))
+            local.append(v)
+        elif t is list or t is tuple:
+            inner_key, inner_local = [], []
+            if not _walk(v, by_type, grad, inner_key, inner_local):
+                return False
+            key.append((t, tuple(inner_key)))
+            local.append(inner_local if t is list else tuple(inner_local))
+        elif isinstance(v, torch.Tensor):
+            # (a subclass of GlobalTensor, a plain tensor with dims: the dispatch path decides, or refuses)
+            if isinstance(v, GlobalTensor) or v.dim() or (grad and v.requires_grad):
+                return False
+            key.append(("tensor", v.dtype, v.device))
+            local.append(v)
+        else:
+            key.append(v)
+            local.append(v)
+    return True
+
+
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_autocast = torch._C._is_any_autocast_enabled
+_grad_enabled = torch.is_grad_enabled
+
+
+def call(func, types, args, kwargs):
+    """The call's result as a local call (learning it on its second sight), or ``NOT_HANDLED``."""
+    if not ENABLED or func in _no_tensor or _dispatch_modes() or _autocast():
+        return NOT_HANDLED
+    grad = _grad_enabled()
+    by_type = func in FLOATS_BY_TYPE
+    key, local_args = [], []
+    if not _walk(args, by_type, grad, key, local_args):
+        return NOT_HANDLED
+    local_kwargs = None
+    if kwargs:
+        names = tuple(kwargs)
+        values = []
+        if not _walk(kwargs.values(), by_type, grad, key, values):
+            return NOT_HANDLED
+        key.append(names)
+        local_kwargs = dict(zip(names, values))
+    key = tuple(key)
+    known = _calls.get(func)
+    if known is None:
+        known = _calls[func] = {}
+    try:
+        plan = known.get(key)
+    except TypeError:  # an unhashable argument (a slice, say)
+        return NOT_HANDLED
+    if plan is None:  # a first sight: the dispatch path alone, so a shape seen once costs no learning
+        known[key] = _SEEN
+        return NOT_HANDLED
+    if plan is _SEEN:
+        return _learn(func, types, args, kwargs, known, key)
+    if plan is _REFUSED:
+        return NOT_HANDLED
+    local = func(*local_args, **local_kwargs) if local_kwargs else func(*local_args)
+    result = plan.finish(local, args, kwargs)
+    if result is None and plan.returns in ("tensor", "list", "tuple"):
+        # Not what was learnt (a changed default dtype, say): forget the key; the dispatch path decides.
+        del known[key]
+        return NOT_HANDLED
+    return result
+
+
+def _learn(func, types, args, kwargs, known: dict, key):
+    """Run the call on the dispatch path, recording its aten ops, and keep it as a local call if it
+    qualifies (see the module docstring). Returns the dispatch path's result."""
+    arguments = _global_arguments(args, kwargs or {})
+    before = [(g._version, g._meta) for _, g in arguments]
+    recorded = []
+    inner = _global_tensor.dispatch
+    _global_tensor.dispatch = _recording(recorded, inner)
+    try:
+        result = _global_tensor.below_autograd(func, types, args, kwargs)
+    finally:
+        _global_tensor.dispatch = inner
+    if not recorded and not isinstance(result, torch.Tensor) and not _is_tensor_list(result):
+        _no_tensor.add(func)  # a getter or the like: never a local call
+        return result
+    bumped = tuple((where, g._version - v) for (where, g), (v, _) in zip(arguments, before) if g._version != v)
+    plan = None
+    # A call that dispatched nothing may act on the wrapper itself (requires_grad_, a hook, the grad
+    # setter), and one that changed an argument's metadata acts on more than its part: neither is local.
+    if recorded and all(g._meta is meta for (_, g), (_, meta) in zip(arguments, before)):
+        plan = _qualify(func, args, kwargs or {}, arguments, recorded, result, bumped)
+    known[key] = _REFUSED if plan is None else plan
+    return result
+
+
+def _recording(recorded: list, inner):
+    """A dispatch function that runs ``inner`` and records (op, args, kwargs, result, ran as is) of each
+    top-level aten op dispatched by this thread; nested dispatches belong to the op that made them."""
+    from ._dispatch import ran_as_is  # (here: _dispatch imports this module's importer)
+
+    owner = threading.get_ident()
+
+    def record(func, args, kwargs):
+        if threading.get_ident() != owner:
+            return inner(func, args, kwargs)
+        _global_tensor.dispatch = inner
+        try:
+            out = inner(func, args, kwargs)
+        finally:
+            _global_tensor.dispatch = record
+        recorded.append((func, args, kwargs, out, ran_as_is(func, args, kwargs)))
+        return out
+
+    return record
+
+
+def _global_arguments(args, kwargs) -> list:
+    """((position or keyword, index in a list or None), global tensor) of each global argument."""
+    found = []
+    for slot, value in [*enumerate(args), *kwargs.items()]:
+        if isinstance(value, GlobalTensor):
+            found.append(((slot, None), value))
+        elif isinstance(value, (list, tuple)):
+            found.extend(((slot, i), v) for i, v in enumerate(value) if isinstance(v, GlobalTensor))
+    return found
+
+
+def _is_tensor_list(value) -> bool:
+    """A non-empty list or tuple (not a named one) of tensors, as foreach ops return."""
+    return type(value) in (list, tuple) and bool(value) and all(isinstance(v, torch.Tensor) for v in value)
+
+
+def _qualify(func, args, kwargs, arguments, recorded, result, bumped) -> LocalCall | None:
+    """The local call learnt from one recorded dispatch-path call, or None if it does not qualify."""
+    if not all(as_is and torch.Tag.nondeterministic_seeded not in op.tags for op, *_, as_is in recorded):
+        return None
+    parts = {}  # id(global tensor) -> the tensor the replay passes in its place
+    for where, g in arguments:
+        parts.setdefault(id(g), g._local.clone())
+    replay = _ReplayRecorder()
+    local_args = [_replay_value(a, parts) for a in args]
+    local_kwargs = {k: _replay_value(v, parts) for k, v in kwargs.items()}
+    cuda = sorted({t.device.index or 0 for t in parts.values() if t.is_cuda})
+    try:  # (nothing seeded should run here; if it does, the generators' streams are kept as they were)
+        with torch.random.fork_rng(devices=cuda, device_type="cuda"), replay:
+            local_result = func(*local_args, **local_kwargs)
+    except Exception:  # the function does not run on the parts as they are: not a local call
+        return None
+    if len(replay.calls) != len(recorded):
+        return None
+    aliases = set()  # ids of global tensors that an op returned as an alias of an input (views)
+    for (op, g_args, g_kwargs, g_out, _), (local_op, l_args, l_kwargs, l_out) in zip(recorded, replay.calls):
+        if op is not local_op or not _same_arguments((g_args, g_kwargs), (l_args, l_kwargs), parts):
+            return None
+        g_flat, g_spec = tree_flatten(g_out)
+        l_flat, l_spec = tree_flatten(l_out)
+        if g_spec != l_spec:
+            return None
+        for k, (g, local) in enumerate(zip(g_flat, l_flat)):
+            if isinstance(g, GlobalTensor):
+                if not isinstance(local, torch.Tensor) or local.shape != g._local.shape:
+                    return None
+                parts[id(g)] = local
+                returned = op._schema.returns[min(k, len(op._schema.returns) - 1)]
+                if returned.alias_info is not None and not returned.alias_info.is_write:
+                    aliases.add(id(g))
+    return _result_plan(args, kwargs, arguments, result, local_result, parts, aliases, bumped)
+
+
+def _result_plan(args, kwargs, arguments, result, local_result, parts, aliases, bumped) -> LocalCall | None:
+    if result is None:
+        return None if local_result is not None else LocalCall("none", (), (), (), (), bumped)
+    if isinstance(result, GlobalTensor):
+        for where, g in arguments:
+            if g is result:  # an argument the call wrote into (or returned untouched), returned as itself
+                ok = where[1] is None and local_result is parts[id(g)]
+                return LocalCall("argument", where, (), (), (), bumped) if ok else None
+        outputs = [result]
+    elif _is_tensor_list(result) and _is_tensor_list(local_result) and len(local_result) == len(result):
+        outputs = result
+    else:
+        return None
+    if isinstance(local_result, torch.Tensor):
+        local_result = [local_result]
+    for g, local in zip(outputs, local_result):
+        if type(g) is not GlobalTensor or id(g) in aliases or g._is_view() or parts.get(id(g)) is not local:
+            return None
+    return LocalCall(
+        "tensor" if isinstance(result, GlobalTensor) else type(result).__name__,
+        (),
+        tuple(g._meta for g in outputs),
+        tuple(g._local.shape for g in outputs),
+        tuple(contiguous_strides(g._meta.shape) for g in outputs),
+        bumped,
+    )
+
+
+def _replay_value(value, parts):
+    if isinstance(value, GlobalTensor):
+        return parts[id(value)]
+    if isinstance(value, (list, tuple)):
+        return type(value)(_replay_value(v, parts) for v in value)
+    return value
+
+
+def _same_arguments(global_call, local_call, parts) -> bool:
+    """Whether an aten call on the local parts had the arguments of the global one: the part of each global
+    tensor where it had that tensor, equal plain tensors and equal other values."""
+    g_flat, g_spec = tree_flatten(global_call)
+    l_flat, l_spec = tree_flatten(local_call)
+    if g_spec != l_spec:
+        return False
+    for g, local in zip(g_flat, l_flat):
+        if isinstance(g, GlobalTensor):
+            if parts.get(id(g)) is not local:
+                return False
+        elif isinstance(g, torch.Tensor):
+            if not (
+                type(local) is torch.Tensor and g.shape == local.shape and g.dtype == local.dtype
+                and torch.equal(g, local)
+            ):
+                return False
+        elif type(g) is not type(local) or g != local:
+            return False
+    return True
+
+
+class _ReplayRecorder(TorchDispatchMode):
+    """Records (op, args, kwargs, result) of every aten op the replay dispatches."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.calls.append((func, args, kwargs or {}, out))
+        return out
