@@ -423,10 +423,22 @@ def _run_inplace_view(func, args, kwargs):
     return self
 
 
+def _bump_written_lists(f, args) -> None:
+    """Bump the version of each global tensor in the lists a foreach op wrote into. Torch bumps a plain
+    tensor's version in its kernel, and a global tensor's in its autograd layer for other in-place ops, but
+    not for foreach ones; without it, autograd would not see a saved tensor changed by an optimizer step."""
+    for position, name in enumerate(f.names[: len(args)]):
+        if name in f.written:
+            torch._C._increment_version([t for t in args[position] if isinstance(t, GlobalTensor)])
+
+
 def dispatch(func, args, kwargs):
     f = facts(func)
     if f.foreach:
-        return _run_foreach(func, args, kwargs)
+        out = _run_foreach(func, args, kwargs)
+        if f.written:
+            _bump_written_lists(f, args)
+        return out
     if f.inplace_view:
         return _run_inplace_view(func, args, kwargs)
     return _dispatch_one(func, args, kwargs)

@@ -60,6 +60,8 @@ class GlobalTensor(torch.Tensor):
         # (_local_calls.py). Everything else goes to __torch_dispatch__ below autograd. Both run with torch
         # functions off, through torch's own C++ helper (cheaper than a context manager per call), so that
         # reading a getter such as requires_grad does not come back here.
+        if func in _local_calls.DISPATCH_ONLY:  # getters (shape, grad, ...) and views: the common case first
+            return below_autograd(func, types, args, kwargs)
         if func in _batched_matmul.MATMUL_FUNCS and _batched_matmul.applies(func, args, kwargs or {}):
             return _batched_matmul.BatchedMatmul.apply(*args)
         result = _without_torch_function(_local_calls.call, types, (func, types, args, kwargs))

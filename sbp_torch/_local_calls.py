@@ -71,14 +71,17 @@ class LocalCall:
     outputs: tuple[GlobalMeta, ...]  # for "tensor" and "list": the metadata of each output
     local_shapes: tuple  # this rank's part shape of each output
     strides: tuple  # the logical (contiguous) strides of each output
-    bumped: tuple  # ((position or keyword, index in a list or None), bumps) of each written global argument
+    # (position or keyword, None for one tensor or the indices in a list, or "all", bumps) of the written
+    # global arguments, grouped by argument and count, so a foreach op bumps its lists in one call each
+    bumped: tuple
 
     def finish(self, local, args, kwargs):
         """The call's result from the local result; None when it is not what was learnt (take dispatch)."""
-        if self.bumped:
-            for where, count in self.bumped:
-                for _ in range(count):
-                    torch._C._increment_version((_at(args, kwargs, where),))
+        for slot, indices, count in self.bumped:
+            value = kwargs[slot] if isinstance(slot, str) else args[slot]
+            targets = (value,) if indices is None else value if indices == "all" else [value[i] for i in indices]
+            for _ in range(count):
+                torch._C._increment_version(targets)
         if self.returns == "tensor":
             meta = self.outputs[0]
             if local.shape != self.local_shapes[0] or local.dtype != meta.dtype:
@@ -103,7 +106,10 @@ def _at(args, kwargs, where):
 
 
 _calls: dict = {}  # torch function -> {argument key: LocalCall, _REFUSED or _SEEN}
-_no_tensor: set = set()  # torch functions that dispatched nothing and returned no tensor (shape, dim, ...)
+# Torch functions that take the dispatch path whatever their arguments: getters and the like (they dispatch
+# nothing and return no tensor: shape, dim, ...) and functions that returned a view once (transpose, view,
+# reshape, and so indexing, whose integer and slice indices give views).
+DISPATCH_ONLY: set = set()  # (GlobalTensor.__torch_function__ reads it first)
 
 
 def _walk(values, by_type: bool, grad: bool, key: list, local: list) -> bool:
@@ -123,6 +129,13 @@ def _walk(values, by_type: bool, grad: bool, key: list, local: list) -> bool:
             key.append((t, v))
             local.append(v)
         elif t is list or t is tuple:
+            if v and all([type(e) is GlobalTensor for e in v]):  # a foreach op's list: one comprehension each
+                if grad and any([e.requires_grad for e in v]):
+                    return False
+                key.append((t, tuple([e._meta for e in v])))
+                parts = [e._local for e in v]
+                local.append(parts if t is list else tuple(parts))
+                continue
             inner_key, inner_local = [], []
             if not _walk(v, by_type, grad, inner_key, inner_local):
                 return False
@@ -147,7 +160,7 @@ _grad_enabled = torch.is_grad_enabled
 
 def call(func, types, args, kwargs):
     """The call's result as a local call (learning it on its second sight), or ``NOT_HANDLED``."""
-    if not ENABLED or func in _no_tensor or _dispatch_modes() or _autocast():
+    if not ENABLED or _dispatch_modes() or _autocast():
         return NOT_HANDLED
     grad = _grad_enabled()
     by_type = func in FLOATS_BY_TYPE
@@ -198,10 +211,12 @@ def _learn(func, types, args, kwargs, known: dict, key):
         result = _global_tensor.below_autograd(func, types, args, kwargs)
     finally:
         _global_tensor.dispatch = inner
-    if not recorded and not isinstance(result, torch.Tensor) and not _is_tensor_list(result):
-        _no_tensor.add(func)  # a getter or the like: never a local call
+    if (not recorded and not isinstance(result, torch.Tensor) and not _is_tensor_list(result)) or (
+        isinstance(result, GlobalTensor) and result._is_view()
+    ):
+        DISPATCH_ONLY.add(func)
         return result
-    bumped = tuple((where, g._version - v) for (where, g), (v, _) in zip(arguments, before) if g._version != v)
+    bumped = _grouped_bumps(args, kwargs or {}, [(where, g._version - v) for (where, g), (v, _) in zip(arguments, before)])
     plan = None
     # A call that dispatched nothing may act on the wrapper itself (requires_grad_, a hook, the grad
     # setter), and one that changed an argument's metadata acts on more than its part: neither is local.
@@ -209,6 +224,23 @@ def _learn(func, types, args, kwargs, known: dict, key):
         plan = _qualify(func, args, kwargs or {}, arguments, recorded, result, bumped)
     known[key] = _REFUSED if plan is None else plan
     return result
+
+
+def _grouped_bumps(args, kwargs, bumps: list) -> tuple:
+    """``LocalCall.bumped`` from ((slot, index), bumps) of each global argument."""
+    groups: dict = {}
+    for (slot, index), count in bumps:
+        if count:
+            groups.setdefault((slot, count), []).append(index)
+    grouped = []
+    for (slot, count), indices in groups.items():
+        if indices == [None]:
+            grouped.append((slot, None, count))
+        else:
+            value = kwargs[slot] if isinstance(slot, str) else args[slot]
+            whole = indices == list(range(len(value)))
+            grouped.append((slot, "all" if whole else tuple(indices), count))
+    return tuple(grouped)
 
 
 def _recording(recorded: list, inner):
@@ -282,17 +314,18 @@ def _qualify(func, args, kwargs, arguments, recorded, result, bumped) -> LocalCa
                 returned = op._schema.returns[min(k, len(op._schema.returns) - 1)]
                 if returned.alias_info is not None and not returned.alias_info.is_write:
                     aliases.add(id(g))
-    return _result_plan(args, kwargs, arguments, result, local_result, parts, aliases, bumped)
+    return _result_plan(args, kwargs, local_args, local_kwargs, result, local_result, parts, aliases, bumped)
 
 
-def _result_plan(args, kwargs, arguments, result, local_result, parts, aliases, bumped) -> LocalCall | None:
+def _result_plan(args, kwargs, local_args, local_kwargs, result, local_result, parts, aliases, bumped):
+    """The LocalCall for the call's result (see ``_qualify``), or None."""
     if result is None:
         return None if local_result is not None else LocalCall("none", (), (), (), (), bumped)
+    for slot, value in [*enumerate(args), *kwargs.items()]:
+        if value is result:  # an argument the call wrote into (a tensor, a foreach op's list), returned as itself
+            local_value = local_kwargs[slot] if isinstance(slot, str) else local_args[slot]
+            return LocalCall("argument", (slot, None), (), (), (), bumped) if local_result is local_value else None
     if isinstance(result, GlobalTensor):
-        for where, g in arguments:
-            if g is result:  # an argument the call wrote into (or returned untouched), returned as itself
-                ok = where[1] is None and local_result is parts[id(g)]
-                return LocalCall("argument", where, (), (), (), bumped) if ok else None
         outputs = [result]
     elif _is_tensor_list(result) and _is_tensor_list(local_result) and len(local_result) == len(result):
         outputs = result
@@ -300,8 +333,12 @@ def _result_plan(args, kwargs, arguments, result, local_result, parts, aliases, 
         return None
     if isinstance(local_result, torch.Tensor):
         local_result = [local_result]
+    argument_ids = {id(g) for _, g in _global_arguments(args, kwargs)}
     for g, local in zip(outputs, local_result):
-        if type(g) is not GlobalTensor or id(g) in aliases or g._is_view() or parts.get(id(g)) is not local:
+        if (
+            type(g) is not GlobalTensor or id(g) in aliases or id(g) in argument_ids or g._is_view()
+            or parts.get(id(g)) is not local
+        ):
             return None
     return LocalCall(
         "tensor" if isinstance(result, GlobalTensor) else type(result).__name__,

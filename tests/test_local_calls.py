@@ -281,3 +281,21 @@ def test_adamw_with_a_changing_learning_rate(foreach):
         for g, want in zip(got, params):
             torch.testing.assert_close(g, want.detach())
         assert learnt[1] == learnt[-1], f"keys kept growing with the step: {learnt}"
+
+
+def foreach_in_place_body():
+    """An in-place foreach op returns its own list and bumps each tensor's version, on every path."""
+    p = st.placement("cpu", [0, 1])
+    a, b = (torch.randn(5, 3).to_global(p, (split(0),)) for _ in range(2))
+    seen = []
+    with torch.no_grad():
+        for _ in range(3):  # the dispatch path, the learning call, a local call
+            tensors, before = [a, b], (a._version, b._version)
+            out = torch._foreach_add_(tensors, 1.0)
+            seen.append((out is tensors, a._version - before[0], b._version - before[1]))
+    return seen
+
+
+def test_in_place_foreach_returns_its_list_and_bumps_versions():
+    for seen in run_on_world(2, foreach_in_place_body):
+        assert seen == [(True, 1, 1)] * 3

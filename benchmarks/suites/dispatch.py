@@ -12,14 +12,20 @@ What is timed, per op:
 
 * **floor**: the plain torch op on this rank's local parts, the least any wrapper can cost;
 * **hit**: the op on the same global inputs again and again, so every decision is cached (sbp_torch's
-  signature cache, DTensor's sharding-propagation cache);
+  signature cache, DTensor's sharding-propagation cache). The inputs do not require grad, so autograd
+  records nothing, as in inference and optimizer steps: sbp_torch runs such calls as *local calls*, the
+  torch function on the local parts, without entering ``__torch_dispatch__`` (``sbp_torch/_local_calls.py``);
+* **hit, grad**: the same with inputs that require grad, so autograd records every call, as in a training
+  forward: both libraries then take their dispatch path (not timed for the in-place op, which torch refuses
+  on a leaf that requires grad);
 * **miss**: the op on inputs of a shape neither library has seen: ``MISS_SHAPES`` distinct shapes (the
   sequence length, or the rows of ``mm``/``linear``, grows by 2 or 4 per shape) are built before the timed
   region and each timed call takes the next one. The op itself was seen before (the hit measurement ran
   first), so a miss is the price of a new shape, as in training with a variable sequence length.
 
 Method: floor and hit ops take microseconds, so one sample times ``LOOP`` back-to-back calls and divides by
-``LOOP``; a miss takes milliseconds and is timed one call per sample. Ranks start each measurement together
+``LOOP``; the floor, sbp_torch and DTensor take turns sample by sample, so that a drift in the machine's
+speed (it is shared) falls on all three alike. A miss takes milliseconds and is timed one call per sample. Ranks start each measurement together
 (a barrier) but are not synchronised per sample, since the ops are local. Each rank summarises its own
 samples (median and quartiles); the table shows the rank with the largest median, as the slowest rank sets
 the pace of a distributed step. Before anything is timed, one call of each op is checked against the plain
@@ -169,19 +175,28 @@ def _check(name: str, fn, fulls, ours, theirs) -> None:
     torch.testing.assert_close(got_theirs, expected, msg=lambda m: f"DTensor {name}: {m}")
 
 
-def _loop_timed(fn, args, repeats: int) -> dict:
-    """Median and quartiles (µs per call) of ``repeats`` samples of ``LOOP`` calls each."""
-    for _ in range(LOOP):
-        fn(*args)
-    gc.collect()
-    dist.barrier()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter_ns()
+def _loop_timed(fn, variants: list, repeats: int) -> list[dict]:
+    """Median and quartiles (µs per call) of ``repeats`` samples of ``LOOP`` calls of ``fn`` on each of
+    ``variants`` (argument lists). The variants take turns sample by sample, so that a machine whose speed
+    drifts during the measurement slows all of them alike."""
+    for args in variants:
         for _ in range(LOOP):
             fn(*args)
-        samples.append((time.perf_counter_ns() - start) / 1e3 / LOOP)
-    return harness.summary(samples)
+    gc.collect()
+    dist.barrier()
+    samples = [[] for _ in variants]
+    for _ in range(repeats):
+        for args, mine in zip(variants, samples):
+            start = time.perf_counter_ns()
+            for _ in range(LOOP):
+                fn(*args)
+            mine.append((time.perf_counter_ns() - start) / 1e3 / LOOP)
+    return [harness.summary(mine) for mine in samples]
+
+
+def _requiring_grad(tensors: list) -> list:
+    """Leaves with the same values that require grad."""
+    return [t.detach().requires_grad_() for t in tensors]
 
 
 def _miss_timed(fn, variants: list) -> dict:
@@ -219,9 +234,11 @@ def measure(world: int, quick: bool) -> list[dict]:
                 "comm_sbp": _collectives(fn, ours),
                 "comm_dtensor": _collectives(fn, theirs),
             }
-            row["floor"] = _slowest(_loop_timed(fn, locals_, repeats))
-            row["sbp_hit"] = _slowest(_loop_timed(fn, ours, repeats))
-            row["dtensor_hit"] = _slowest(_loop_timed(fn, theirs, repeats))
+            floor, ours_hit, theirs_hit = _loop_timed(fn, [locals_, ours, theirs], repeats)
+            row["floor"], row["sbp_hit"], row["dtensor_hit"] = map(_slowest, (floor, ours_hit, theirs_hit))
+            if not name.endswith("_"):
+                ours_grad, theirs_grad = _loop_timed(fn, [_requiring_grad(ours), _requiring_grad(theirs)], repeats)
+                row["sbp_hit_grad"], row["dtensor_hit_grad"] = _slowest(ours_grad), _slowest(theirs_grad)
             fresh = [env.inputs(kinds, i, 1000 + i) for i in range(misses)]
             row["sbp_miss"] = _slowest(_miss_timed(fn, [v[1] for v in fresh]))
             row["dtensor_miss"] = _slowest(_miss_timed(fn, [v[2] for v in fresh]))
@@ -254,22 +271,27 @@ def report(rows: list[dict]) -> str:
             table.append([
                 r["op"], f"`{r['layout']}`", f"{r['comm_sbp']} / {r['comm_dtensor']}", harness.fmt(r["floor"]),
                 harness.fmt(r["sbp_hit"]), harness.fmt(r["dtensor_hit"]), harness.ratio(r["sbp_hit"], r["dtensor_hit"]),
+                harness.fmt(r.get("sbp_hit_grad")), harness.fmt(r.get("dtensor_hit_grad")),
+                harness.ratio(r.get("sbp_hit_grad"), r.get("dtensor_hit_grad")),
                 harness.fmt(r["sbp_miss"], "ms"), harness.fmt(r["dtensor_miss"], "ms"),
                 harness.ratio(r["sbp_miss"], r["dtensor_miss"]),
             ])
         hit = [_med(r["sbp_hit"]) / _med(r["dtensor_hit"]) for r in mine]
+        grad = [_med(r["sbp_hit_grad"]) / _med(r["dtensor_hit_grad"]) for r in mine if "sbp_hit_grad" in r]
         miss = [_med(r["sbp_miss"]) / _med(r["dtensor_miss"]) for r in mine]
         parts += [
             f"## Placement {mesh}",
             "",
             harness.markdown_table(
                 ["op", "layout", "comm", "floor (local op)", "sbp_torch hit", "DTensor hit", "hit ratio",
+                 "sbp_torch hit, grad", "DTensor hit, grad", "ratio, grad",
                  "sbp_torch miss", "DTensor miss", "miss ratio"],
                 table,
             ),
             "",
             f"Hit ratio: geometric mean {_geomean(hit):.2f}x, {sum(h <= 0.75 for h in hit)} of {len(hit)} ops "
-            f"within the 0.75x target. Miss ratio: geometric mean {_geomean(miss):.2f}x, "
+            f"within the 0.75x target; with inputs that require grad, geometric mean {_geomean(grad):.2f}x, "
+            f"{sum(h <= 0.75 for h in grad)} of {len(grad)}. Miss ratio: geometric mean {_geomean(miss):.2f}x, "
             f"{sum(m <= 0.1 for m in miss)} of {len(miss)} within 0.1x. Dispatch overhead above the floor on a "
             f"hit (median of ops): sbp_torch {_median_overhead(mine, 'sbp_hit'):.1f} µs, "
             f"DTensor {_median_overhead(mine, 'dtensor_hit'):.1f} µs.",
