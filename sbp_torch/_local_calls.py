@@ -106,9 +106,9 @@ def _at(args, kwargs, where):
 
 
 _calls: dict = {}  # torch function -> {argument key: LocalCall, _REFUSED or _SEEN}
-# Torch functions that take the dispatch path whatever their arguments: getters and the like (they dispatch
-# nothing and return no tensor: shape, dim, ...) and functions that returned a view once (transpose, view,
-# reshape, and so indexing, whose integer and slice indices give views).
+# Torch functions that take the dispatch path whatever their arguments: getters (shape, grad, ...) and
+# functions that dispatched nothing and returned no tensor (dim, is_complex, ...), and functions that
+# returned a view once (transpose, view, reshape, and so indexing, whose integer and slice indices give views).
 DISPATCH_ONLY: set = set()  # (GlobalTensor.__torch_function__ reads it first)
 
 
@@ -211,8 +211,9 @@ def _learn(func, types, args, kwargs, known: dict, key):
         result = _global_tensor.below_autograd(func, types, args, kwargs)
     finally:
         _global_tensor.dispatch = inner
-    if (not recorded and not isinstance(result, torch.Tensor) and not _is_tensor_list(result)) or (
-        isinstance(result, GlobalTensor) and result._is_view()
+    if (
+        (not recorded and (_is_getter(func) or not (isinstance(result, torch.Tensor) or _is_tensor_list(result))))
+        or (isinstance(result, GlobalTensor) and result._is_view())
     ):
         DISPATCH_ONLY.add(func)
         return result
@@ -224,6 +225,11 @@ def _learn(func, types, args, kwargs, known: dict, key):
         plan = _qualify(func, args, kwargs or {}, arguments, recorded, result, bumped)
     known[key] = _REFUSED if plan is None else plan
     return result
+
+
+def _is_getter(func) -> bool:
+    """A property getter (``Tensor.grad``, ``Tensor.shape``, ...), as torch passes it: ``__get__``."""
+    return getattr(func, "__name__", None) == "__get__"
 
 
 def _grouped_bumps(args, kwargs, bumps: list) -> tuple:
