@@ -228,8 +228,8 @@ def _make_decision(func, args, kwargs) -> Decision:
     one_d = [s for s in rule.signatures(call) if _valid_1d(s, inputs, outputs)]
     written_inputs = [i for i, g in enumerate(inputs) if any(g is w for w in written_globals(func, args, kwargs))]
     aliased_outputs = _outputs_aliasing_inputs(func, args, kwargs, inputs)
-    best = None
-    for order, combo in enumerate(itertools.product(one_d, repeat=placement.ndim)):
+    candidates = []  # (combo, targets, out_sbps) of each valid N-D signature, in the rule's order
+    for combo in itertools.product(one_d, repeat=placement.ndim):
         if len({s.kernel for s in combo if s.kernel}) > 1 or not _partial_allowed(combo, inputs):
             continue
         if rule.check_nd is not None and not rule.check_nd(call, combo):
@@ -244,6 +244,16 @@ def _make_decision(func, args, kwargs) -> Decision:
             continue
         if any(tuple(o.shape) != info.shape for o, info in zip(outs, outputs)):
             continue
+        candidates.append((combo, targets, out_sbps))
+    # The first candidate that keeps every input's layout costs nothing and changes nothing, so no other can
+    # beat it (costs are never negative; ties go to fewer changes, then to the rule's order): when there is
+    # one, it is the decision, and the boxing plans of the others (N-D searches, on a new shape) need not be
+    # made. (Costs come from the planner; a zero-step plan costs zero.)
+    kept = next((c for c in candidates if all(t == g.sbp for t, g in zip(c[1], inputs))), None)
+    if kept is not None and not _joins_partial(kept[0], inputs):
+        candidates = [kept]
+    best = None
+    for combo, targets, out_sbps in candidates:
         cost = sum(_decision_cost(plan_boxing(g._meta, t)) for g, t in zip(inputs, targets))
         if _joins_partial(combo, inputs):
             cost += _deferred_reduction(outputs, out_sbps, placement)
