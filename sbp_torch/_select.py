@@ -23,7 +23,7 @@ from ._global_tensor import GlobalTensor
 from ._layout import GlobalMeta
 from ._sbp import Broadcast, Partial, Split, check_partial_dtype
 from ._schema import argument_name, facts
-from ._shape_rules import pointwise_outputs
+from ._shape_rules import ruled_outputs
 from ._signatures import rule_for
 from ._signatures.core import OpCall, Rule, Signature, TensorInfo, bind
 
@@ -132,9 +132,9 @@ def _on_meta(value):
 
 
 def _meta_outputs(func, args, kwargs) -> list[TensorInfo]:
-    """Each output's shape and dtype: by rule for pointwise ops (``_shape_rules``), else by running the op
-    on meta tensors."""
-    ruled = pointwise_outputs(func, args, kwargs)
+    """Each output's shape and dtype: by rule for pointwise ops and the ops of ``SHAPE_RULES``
+    (``_shape_rules``), else by running the op on meta tensors."""
+    ruled = ruled_outputs(func, args, kwargs)
     if ruled is not None:
         return ruled
     try:

@@ -1,4 +1,4 @@
-"""Output metadata of pointwise ops by rule, not by tracing them on meta tensors.
+"""Output metadata by rule, not by tracing ops on meta tensors: pointwise ops, and a table of common others.
 
 A decision needs each output's shape and dtype. Running the op on meta tensors gives both for any op, but
 for pointwise ops it goes through torch's Python references and costs about 40% of a cache miss. A pointwise
@@ -7,7 +7,12 @@ on which of them are 0-dim (they promote like scalars) and on the types of the n
 shape is ``torch.broadcast_shapes`` and the dtype is read off the op run on one-element CPU tensors of the
 same dtypes, once per such combination (cached): torch's own promotion, not a copy of its rules.
 
-Where the rule is not sure it returns None and the caller traces: ops that are not tagged pointwise, that
+Beyond pointwise ops, ``SHAPE_RULES`` maps a few ops whose meta kernels are slow Python references (layer
+norm's took 80% of a miss on a 2x2 placement) or that every model calls (softmax, sum over dims, cat,
+transpose) to a function of the bound arguments. Those rules answer only for float32 and float64 inputs,
+where the output dtype is the input's on every device, and otherwise return None.
+
+Where a rule is not sure it returns None and the caller traces: ops that are not tagged pointwise, that
 return anything but one tensor, that take ``out=`` or lists of tensors, that draw random numbers (running
 them would advance the generator), shapes that do not broadcast or an in-place op whose ``self`` would have
 to grow, and combinations the one-element run refuses (the trace then raises the real error).
@@ -19,7 +24,9 @@ import torch
 
 from ._global_tensor import GlobalTensor
 from ._schema import facts
-from ._signatures.core import TensorInfo
+from ._signatures.core import TensorInfo, bind
+
+aten = torch.ops.aten
 
 _dtypes: dict = {}  # (op, argument kinds) -> output dtype, or None where the one-element run raised
 
@@ -85,3 +92,98 @@ def pointwise_outputs(func, args, kwargs) -> list[TensorInfo] | None:
             _dtypes[key] = None
     dtype = _dtypes[key]
     return None if dtype is None else [TensorInfo(shape, dtype)]
+
+
+_PLAIN_FLOATS = (torch.float32, torch.float64)
+
+
+def _dims(dims, ndim: int) -> set | None:
+    """``dims`` (an int, a list of them, None or empty: all) as non-negative dims; None if out of range."""
+    dims = range(ndim) if dims is None or dims == [] or dims == () else [dims] if isinstance(dims, int) else dims
+    out = set()
+    for d in dims:
+        if not -max(ndim, 1) <= d < max(ndim, 1) or d % max(ndim, 1) in out:
+            return None  # out of range or repeated: the op raises
+        out.add(d % max(ndim, 1))
+    return out
+
+
+def _layer_norm(a) -> list[TensorInfo] | None:
+    x, normalized = a["input"], tuple(a["normalized_shape"])
+    shape = _shape(x)
+    axis = len(shape) - len(normalized)
+    if axis < 0 or shape[axis:] != normalized:
+        return None
+    stats = shape[:axis] + (1,) * len(normalized)
+    return [TensorInfo(shape, x.dtype), TensorInfo(stats, x.dtype), TensorInfo(stats, x.dtype)]
+
+
+def _softmax(a) -> list[TensorInfo] | None:
+    x = a["self"]
+    shape = _shape(x)
+    if a["half_to_float"] or _dims(a["dim"], len(shape)) is None:
+        return None
+    return [TensorInfo(shape, x.dtype)]
+
+
+def _sum_dims(a) -> list[TensorInfo] | None:
+    x = a["self"]
+    shape = _shape(x)
+    dims = _dims(a["dim"], len(shape))
+    if dims is None or a.get("dtype") is not None:
+        return None
+    kept = [1 if i in dims else n for i, n in enumerate(shape)] if a["keepdim"] else [
+        n for i, n in enumerate(shape) if i not in dims]
+    return [TensorInfo(tuple(kept), x.dtype)]
+
+
+def _cat(a) -> list[TensorInfo] | None:
+    tensors = a["tensors"]
+    shapes = [_shape(t) for t in tensors]
+    if not tensors or len({len(s) for s in shapes}) != 1 or not shapes[0] or len({t.dtype for t in tensors}) != 1:
+        return None
+    dims = _dims(a["dim"], len(shapes[0]))
+    if dims is None:
+        return None
+    (dim,) = dims
+    if any(s[:dim] + s[dim + 1:] != shapes[0][:dim] + shapes[0][dim + 1:] for s in shapes):
+        return None
+    out = list(shapes[0])
+    out[dim] = sum(s[dim] for s in shapes)
+    return [TensorInfo(tuple(out), tensors[0].dtype)]
+
+
+def _transpose(a) -> list[TensorInfo] | None:
+    x = a["self"]
+    shape = list(_shape(x))
+    dims = [_dims(a["dim0"], len(shape)), _dims(a["dim1"], len(shape))]
+    if None in dims or not shape:
+        return None
+    (i,), (j,) = dims
+    shape[i], shape[j] = shape[j], shape[i]
+    return [TensorInfo(tuple(shape), x.dtype)]
+
+
+# op -> rule of the bound arguments; the first tensor argument must be float32 or float64
+SHAPE_RULES = {
+    aten.native_layer_norm.default: _layer_norm,
+    aten._softmax.default: _softmax,
+    aten._log_softmax.default: _softmax,
+    aten.sum.dim_IntList: _sum_dims,
+    aten.cat.default: _cat,
+    aten.transpose.int: _transpose,
+}
+
+
+def ruled_outputs(func, args, kwargs) -> list[TensorInfo] | None:
+    """Each output's shape and dtype by rule (pointwise, or ``SHAPE_RULES``), or None where tracing must
+    decide."""
+    rule = SHAPE_RULES.get(func)
+    if rule is None:
+        return pointwise_outputs(func, args, kwargs)
+    bound = bind(func, args, kwargs)
+    first = next(iter(bound.values()))
+    first = first[0] if isinstance(first, (list, tuple)) and first else first
+    if not isinstance(first, torch.Tensor) or first.dtype not in _PLAIN_FLOATS:
+        return None
+    return rule(bound)

@@ -82,3 +82,51 @@ def test_rule_answers_common_calls_with_torchs_promotion():
     assert ruled is not None and ruled[0].dtype == torch.float16
     ruled = pointwise_outputs(aten.eq.Scalar, (torch.zeros(2, 1, 5), 1), {})
     assert ruled is not None and (ruled[0].shape, ruled[0].dtype) == ((2, 1, 5), torch.bool)
+
+
+# (op, builder of the arguments from a shape and a dtype); each rule must agree with the op run on CPU tensors
+TABLE_CASES = [
+    (aten.native_layer_norm.default, lambda s, d: (torch.randn(s, dtype=d), list(s[-1:]), None, None, 1e-5)),
+    (aten.native_layer_norm.default, lambda s, d: (torch.randn(s, dtype=d), list(s[-2:]), None, None, 1e-5)),
+    (aten.native_layer_norm.default, lambda s, d: (torch.randn(s, dtype=d), [7], None, None, 1e-5)),
+    (aten._softmax.default, lambda s, d: (torch.randn(s, dtype=d), -1, False)),
+    (aten._log_softmax.default, lambda s, d: (torch.randn(s, dtype=d), 0, False)),
+    (aten.sum.dim_IntList, lambda s, d: (torch.randn(s, dtype=d), [-1])),
+    (aten.sum.dim_IntList, lambda s, d: (torch.randn(s, dtype=d), [0, -1], True)),
+    (aten.sum.dim_IntList, lambda s, d: (torch.randn(s, dtype=d), [])),
+    (aten.sum.dim_IntList, lambda s, d: (torch.randn(s, dtype=d), [5])),
+    (aten.cat.default, lambda s, d: ([torch.randn(s, dtype=d), torch.randn(s, dtype=d)], -1)),
+    (aten.cat.default, lambda s, d: ([torch.randn(s, dtype=d), torch.randn(s[:-1] + (1,), dtype=d)], -1)),
+    (aten.cat.default, lambda s, d: ([torch.randn(s, dtype=d), torch.randn((2,) + s, dtype=d)], 0)),
+    (aten.transpose.int, lambda s, d: (torch.randn(s, dtype=d), 0, -1)),
+]
+
+
+@settings(max_examples=200, deadline=None)
+@given(case=st_.sampled_from(TABLE_CASES), shape=st_.lists(st_.integers(1, 4), min_size=1, max_size=3).map(tuple),
+       dtype=st_.sampled_from([torch.float32, torch.float64, torch.bfloat16, torch.int64]))
+def test_table_rules_agree_with_the_op(case, shape, dtype):
+    from sbp_torch._shape_rules import ruled_outputs
+
+    func, build = case
+    if dtype is torch.int64:
+        def as_long(a):
+            if isinstance(a, list):
+                return [as_long(t) for t in a]
+            return a.long() if isinstance(a, torch.Tensor) else a
+
+        args = tuple(as_long(a) for a in build(shape, torch.float32))
+    else:
+        args = build(shape, dtype)
+    try:
+        out = func(*args)
+        real = [(tuple(o.shape), o.dtype) for o in (out if isinstance(out, tuple) else (out,))]
+    except Exception:  # noqa: BLE001
+        real = None
+    ruled = ruled_outputs(func, args, {})
+    if real is None:
+        assert ruled is None, f"{func}: the op raises but the rule answered {ruled}"
+    elif ruled is not None:
+        assert [(r.shape, r.dtype) for r in ruled] == real, (func, shape, dtype)
+    if dtype in (torch.float32, torch.float64) and real is not None:
+        assert ruled is not None, f"{func} {shape}: the rule should answer float32 and float64"
