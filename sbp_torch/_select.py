@@ -228,30 +228,37 @@ def _make_decision(func, args, kwargs) -> Decision:
     one_d = [s for s in rule.signatures(call) if _valid_1d(s, inputs, outputs)]
     written_inputs = [i for i, g in enumerate(inputs) if any(g is w for w in written_globals(func, args, kwargs))]
     aliased_outputs = _outputs_aliasing_inputs(func, args, kwargs, inputs)
-    candidates = []  # (combo, targets, out_sbps) of each valid N-D signature, in the rule's order
-    for combo in itertools.product(one_d, repeat=placement.ndim):
+
+    def candidate(combo):
+        """(combo, targets, out_sbps) if the N-D signature ``combo`` is valid for this call, else None."""
         if len({s.kernel for s in combo if s.kernel}) > 1 or not _partial_allowed(combo, inputs):
-            continue
+            return None
         if rule.check_nd is not None and not rule.check_nd(call, combo):
-            continue
+            return None
         targets = [tuple(s.inputs[i] for s in combo) for i in range(len(inputs))]
         out_sbps = [tuple(s.outputs[j] for s in combo) for j in range(len(outputs))]
         if any(targets[i] != inputs[i].sbp for i in written_inputs):
-            continue  # an in-place op keeps its tensor's layout; the other operands are boxed instead
+            return None  # an in-place op keeps its tensor's layout; the other operands are boxed instead
         if any(out_sbps[j] != inputs[i].sbp for j, i in aliased_outputs):
-            continue
+            return None
         if outs and (len(outs) != len(out_sbps) or any(o.sbp != s for o, s in zip(outs, out_sbps))):
-            continue
+            return None
         if any(tuple(o.shape) != info.shape for o, info in zip(outs, outputs)):
-            continue
-        candidates.append((combo, targets, out_sbps))
-    # The first candidate that keeps every input's layout costs nothing and changes nothing, so no other can
-    # beat it (costs are never negative; ties go to fewer changes, then to the rule's order): when there is
-    # one, it is the decision, and the boxing plans of the others (N-D searches, on a new shape) need not be
-    # made. (Costs come from the planner; a zero-step plan costs zero.)
-    kept = next((c for c in candidates if all(t == g.sbp for t, g in zip(c[1], inputs))), None)
+            return None
+        return combo, targets, out_sbps
+
+    # The first valid signature that keeps every input's layout costs nothing and changes nothing, so no
+    # other can beat it (costs are never negative; ties go to fewer changes, then to the rule's order): when
+    # there is one, it is the decision, found among the signatures that keep the layouts on every axis (in
+    # the same order as the full product), without costing the others (on a new shape, each cost is an N-D
+    # boxing search).
+    keeping = [[s for s in one_d if tuple(s.inputs) == tuple(g.sbp[axis] for g in inputs)]
+               for axis in range(placement.ndim)]
+    kept = next(filter(None, map(candidate, itertools.product(*keeping))), None)
     if kept is not None and not _joins_partial(kept[0], inputs):
         candidates = [kept]
+    else:
+        candidates = list(filter(None, map(candidate, itertools.product(one_d, repeat=placement.ndim))))
     best = None
     for combo, targets, out_sbps in candidates:
         cost = sum(_decision_cost(plan_boxing(g._meta, t)) for g, t in zip(inputs, targets))
