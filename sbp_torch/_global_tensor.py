@@ -26,7 +26,8 @@ class GlobalTensor(torch.Tensor):
 
     PyTorch sees the logical shape, stride and dtype; the data of this rank is ``to_local()``. Every aten op
     on it goes through ``__torch_dispatch__`` (see ``_dispatch.py``), which picks a layout and inserts the
-    collectives. Build one with ``Tensor.to_global`` or the creation functions, not directly.
+    collectives, except the calls that autograd does not record and that are known to run on the local
+    parts as they are (``_local_calls.py``). Build one with ``Tensor.to_global`` or the creation functions, not directly.
     """
 
     _local: torch.Tensor
@@ -55,12 +56,13 @@ class GlobalTensor(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        # Batched matmuls first: torch would flatten them in a way that loses a split of the heads dim (see
-        # _batched_matmul.py). Then a call autograd does not record may run on the local parts directly
-        # (_local_calls.py). Everything else goes to __torch_dispatch__ below autograd. Both run with torch
-        # functions off, through torch's own C++ helper (cheaper than a context manager per call), so that
-        # reading a getter such as requires_grad does not come back here.
-        if func in _local_calls.DISPATCH_ONLY:  # getters (shape, grad, ...) and views: the common case first
+        # Getters (shape, grad, ...) and functions known to return views go straight on. Batched matmuls
+        # next: torch would flatten them in a way that loses a split of the heads dim (see _batched_matmul.py).
+        # Then a call autograd does not record may run on the local parts directly (_local_calls.py).
+        # Everything else goes to __torch_dispatch__ below autograd. Both run with torch functions off,
+        # through torch's own C++ helper (cheaper than a context manager per call), so that reading a getter
+        # such as requires_grad does not come back here.
+        if func in _local_calls.DISPATCH_ONLY:
             return below_autograd(func, types, args, kwargs)
         if func in _batched_matmul.MATMUL_FUNCS and _batched_matmul.applies(func, args, kwargs or {}):
             return _batched_matmul.BatchedMatmul.apply(*args)

@@ -201,7 +201,20 @@ def call(func, types, args, kwargs):
 
 def _learn(func, types, args, kwargs, known: dict, key):
     """Run the call on the dispatch path, recording its aten ops, and keep it as a local call if it
-    qualifies (see the module docstring). Returns the dispatch path's result."""
+    qualifies (see the module docstring). Returns the dispatch path's result. One thread learns at a time
+    (the recorder replaces the module's dispatch function); another thread's call meanwhile just runs."""
+    if not _learning.acquire(blocking=False):
+        return _global_tensor.below_autograd(func, types, args, kwargs)
+    try:
+        return _learn_alone(func, types, args, kwargs, known, key)
+    finally:
+        _learning.release()
+
+
+_learning = threading.Lock()
+
+
+def _learn_alone(func, types, args, kwargs, known: dict, key):
     arguments = _global_arguments(args, kwargs or {})
     before = [(g._version, g._meta) for _, g in arguments]
     recorded = []
@@ -222,7 +235,10 @@ def _learn(func, types, args, kwargs, known: dict, key):
     # A call that dispatched nothing may act on the wrapper itself (requires_grad_, a hook, the grad
     # setter), and one that changed an argument's metadata acts on more than its part: neither is local.
     if recorded and all(g._meta is meta for (_, g), (_, meta) in zip(arguments, before)):
-        plan = _qualify(func, args, kwargs or {}, arguments, recorded, result, bumped)
+        try:
+            plan = _qualify(func, args, kwargs or {}, arguments, recorded, result, bumped)
+        except Exception:  # noqa: BLE001 - learning must never fail a call that ran: it stays on dispatch
+            plan = None
     known[key] = _REFUSED if plan is None else plan
     return result
 
