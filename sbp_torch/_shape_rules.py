@@ -9,8 +9,8 @@ same dtypes, once per such combination (cached): torch's own promotion, not a co
 
 Beyond pointwise ops, ``SHAPE_RULES`` maps a few ops whose meta kernels are slow Python references (layer
 norm's took 80% of a miss on a 2x2 placement) or that every model calls (softmax, sum over dims, cat,
-transpose) to a function of the bound arguments. Those rules answer only for float32 and float64 inputs,
-where the output dtype is the input's on every device, and otherwise return None.
+transpose, mm, addmm, t, view) to a function of the bound arguments. Those rules answer only for float32
+and float64 inputs, where the output dtype is the input's on every device, and otherwise return None.
 
 Where a rule is not sure it returns None and the caller traces: ops that are not tagged pointwise, that
 return anything but one tensor, that take ``out=`` or lists of tensors, that draw random numbers (running
@@ -164,8 +164,59 @@ def _transpose(a) -> list[TensorInfo] | None:
     return [TensorInfo(tuple(shape), x.dtype)]
 
 
+def _mm(a) -> list[TensorInfo] | None:
+    x, y = a["self"], a["mat2"]
+    xs, ys = _shape(x), _shape(y)
+    if len(xs) != 2 or len(ys) != 2 or xs[1] != ys[0] or x.dtype != y.dtype:
+        return None
+    return [TensorInfo((xs[0], ys[1]), x.dtype)]
+
+
+def _addmm(a) -> list[TensorInfo] | None:
+    bias = a["self"]
+    out = _mm({"self": a["mat1"], "mat2": a["mat2"]})
+    if out is None or bias.dtype != out[0].dtype:
+        return None
+    try:
+        if tuple(torch.broadcast_shapes(_shape(bias), out[0].shape)) != out[0].shape:
+            return None
+    except RuntimeError:
+        return None
+    return out
+
+
+def _t(a) -> list[TensorInfo] | None:
+    x = a["self"]
+    shape = _shape(x)
+    return None if len(shape) > 2 else [TensorInfo(tuple(reversed(shape)), x.dtype)]
+
+
+def _view(a) -> list[TensorInfo] | None:
+    x, size = a["self"], list(a["size"])
+    numel = 1
+    for n in _shape(x):
+        numel *= n
+    known = 1
+    for n in size:
+        if n != -1:
+            if n < 0:
+                return None
+            known *= n
+    if size.count(-1) > 1 or (size.count(-1) == 1 and (known == 0 or numel % known)):
+        return None
+    if -1 in size:
+        size[size.index(-1)] = numel // known
+    elif known != numel:
+        return None
+    return [TensorInfo(tuple(size), x.dtype)]
+
+
 # op -> rule of the bound arguments; the first tensor argument must be float32 or float64
 SHAPE_RULES = {
+    aten.mm.default: _mm,
+    aten.addmm.default: _addmm,
+    aten.t.default: _t,
+    aten.view.default: _view,
     aten.native_layer_norm.default: _layer_norm,
     aten._softmax.default: _softmax,
     aten._log_softmax.default: _softmax,
