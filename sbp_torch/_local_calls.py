@@ -18,9 +18,9 @@ local call only if all of these hold:
 * the torch function, called again on clones of the local parts, dispatches the same aten ops with the same
   non-tensor arguments, each tensor being the part of the global tensor at the same place. This catches
   composites that compute an argument from a shape (the wrapper's shape is the logical one);
-* the result is a new tensor (or a list of them) that aliases no input, an argument the call wrote into
-  and returned, or None. Views are left to the dispatch path, which makes them autograd views of their
-  base, sharing its version counter, as torch's in-place checks expect.
+* the result is a new tensor (or a list of them) that aliases no input from a call that writes none, an
+  argument the call wrote into and returned, or None. Views are left to the dispatch path, which makes
+  them autograd views of their base, sharing its version counter, as torch's in-place checks expect.
 
 A local call bumps the version counter of each global argument the learning call bumped, so autograd still
 refuses a backward through a tensor modified in place. Floats in the key count by value (a composite may
@@ -347,6 +347,8 @@ def _result_plan(args, kwargs, local_args, local_kwargs, result, local_result, p
         if value is result:  # an argument the call wrote into (a tensor, a foreach op's list), returned as itself
             local_value = local_kwargs[slot] if isinstance(slot, str) else local_args[slot]
             return LocalCall("argument", (slot, None), (), (), (), bumped) if local_result is local_value else None
+    if bumped:  # writes an argument yet returns new tensors: a failed output check could not re-run it
+        return None
     if isinstance(result, GlobalTensor):
         outputs = [result]
     elif _is_tensor_list(result) and _is_tensor_list(local_result) and len(local_result) == len(result):
