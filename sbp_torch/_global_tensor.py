@@ -10,6 +10,8 @@ from ._layout import GlobalMeta
 
 
 _without_torch_function = torch._C._disabled_torch_function_impl
+# (size, strides, storage_offset, memory_format, dtype, layout, device, pin_memory, requires_grad, ...)
+_new_wrapper = torch.Tensor._make_wrapper_subclass
 
 
 @functools.lru_cache(maxsize=4096)
@@ -42,13 +44,10 @@ class GlobalTensor(torch.Tensor):
             local = local.resolve_conj()
         if local.is_neg():
             local = local.resolve_neg()
-        out = torch.Tensor._make_wrapper_subclass(
-            cls,
-            meta.shape,
-            strides=contiguous_strides(meta.shape),
-            dtype=meta.dtype,
-            device=local.device,
-            requires_grad=requires_grad,
+        # (positional: torch parses keywords of _make_wrapper_subclass more slowly, on every op's output)
+        out = _new_wrapper(
+            cls, meta.shape, contiguous_strides(meta.shape), None, None, meta.dtype, torch.strided, local.device,
+            False, requires_grad,
         )
         out._local = local
         out._meta = meta
@@ -108,9 +107,6 @@ class GlobalTensor(torch.Tensor):
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
         return GlobalTensor(inner["_local"], meta)
-
-
-_new_wrapper = torch.Tensor._make_wrapper_subclass
 
 
 def wrap_fresh(local: torch.Tensor, meta: GlobalMeta, strides: tuple) -> GlobalTensor:
