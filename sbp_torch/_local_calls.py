@@ -215,7 +215,9 @@ _learning = threading.Lock()
 
 
 def _learn_alone(func, types, args, kwargs, known: dict, key):
-    arguments = _global_arguments(args, kwargs or {})
+    from ._select import global_slots  # (here: _select imports this module's importer)
+
+    arguments = global_slots(args, kwargs or {})
     before = [(g._version, g._meta) for _, g in arguments]
     recorded = []
     inner = _global_tensor.dispatch
@@ -286,17 +288,6 @@ def _recording(recorded: list, inner):
     return record
 
 
-def _global_arguments(args, kwargs) -> list:
-    """((position or keyword, index in a list or None), global tensor) of each global argument."""
-    found = []
-    for slot, value in [*enumerate(args), *kwargs.items()]:
-        if isinstance(value, GlobalTensor):
-            found.append(((slot, None), value))
-        elif isinstance(value, (list, tuple)):
-            found.extend(((slot, i), v) for i, v in enumerate(value) if isinstance(v, GlobalTensor))
-    return found
-
-
 def _is_tensor_list(value) -> bool:
     """A non-empty list or tuple (not a named one) of tensors, as foreach ops return."""
     return type(value) in (list, tuple) and bool(value) and all(isinstance(v, torch.Tensor) for v in value)
@@ -336,10 +327,13 @@ def _qualify(func, args, kwargs, arguments, recorded, result, bumped) -> LocalCa
                 returned = op._schema.returns[min(k, len(op._schema.returns) - 1)]
                 if returned.alias_info is not None and not returned.alias_info.is_write:
                     aliases.add(id(g))
-    return _result_plan(args, kwargs, local_args, local_kwargs, result, local_result, parts, aliases, bumped)
+    argument_ids = {id(g) for _, g in arguments}
+    return _result_plan(args, kwargs, local_args, local_kwargs, result, local_result, parts, aliases, argument_ids,
+                        bumped)
 
 
-def _result_plan(args, kwargs, local_args, local_kwargs, result, local_result, parts, aliases, bumped):
+def _result_plan(args, kwargs, local_args, local_kwargs, result, local_result, parts, aliases, argument_ids,
+                 bumped):
     """The LocalCall for the call's result (see ``_qualify``), or None."""
     if result is None:
         return None if local_result is not None else LocalCall("none", (), (), (), (), bumped)
@@ -357,7 +351,6 @@ def _result_plan(args, kwargs, local_args, local_kwargs, result, local_result, p
         return None
     if isinstance(local_result, torch.Tensor):
         local_result = [local_result]
-    argument_ids = {id(g) for _, g in _global_arguments(args, kwargs)}
     for g, local in zip(outputs, local_result):
         if (
             type(g) is not GlobalTensor or id(g) in aliases or id(g) in argument_ids or g._is_view()
