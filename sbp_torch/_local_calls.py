@@ -67,7 +67,7 @@ class LocalCall:
     """What a learnt call returns, given the local result, and which arguments' versions it bumps."""
 
     returns: str  # "tensor", "list", "tuple", "argument" (an argument it wrote into) or "none"
-    argument: tuple  # for "argument": (position or keyword, None)
+    argument: int | str | None  # for "argument": its position or keyword
     outputs: tuple[GlobalMeta, ...]  # for "tensor" and "list": the metadata of each output
     local_shapes: tuple  # this rank's part shape of each output
     strides: tuple  # the logical (contiguous) strides of each output
@@ -78,7 +78,7 @@ class LocalCall:
     def finish(self, local, args, kwargs):
         """The call's result from the local result; None when it is not what was learnt (take dispatch)."""
         for slot, indices, count in self.bumped:
-            value = kwargs[slot] if isinstance(slot, str) else args[slot]
+            value = _argument(args, kwargs, slot)
             targets = (value,) if indices is None else value if indices == "all" else [value[i] for i in indices]
             for _ in range(count):
                 torch._C._increment_version(targets)
@@ -88,7 +88,7 @@ class LocalCall:
                 return None
             return wrap_fresh(local, meta, self.strides[0])
         if self.returns == "argument":
-            return _at(args, kwargs, self.argument)
+            return _argument(args, kwargs, self.argument)
         if self.returns == "none":
             return None
         if len(local) != len(self.outputs) or any(
@@ -99,10 +99,9 @@ class LocalCall:
         return wrapped if self.returns == "list" else tuple(wrapped)
 
 
-def _at(args, kwargs, where):
-    slot, index = where
-    value = kwargs[slot] if isinstance(slot, str) else args[slot]
-    return value if index is None else value[index]
+def _argument(args, kwargs, slot):
+    """The argument at ``slot``: a position or a keyword."""
+    return kwargs[slot] if isinstance(slot, str) else args[slot]
 
 
 _calls: dict = {}  # torch function -> {argument key: LocalCall, _REFUSED or _SEEN}
@@ -217,7 +216,8 @@ _learning = threading.Lock()
 def _learn_alone(func, types, args, kwargs, known: dict, key):
     from ._select import global_slots  # (here: _select imports this module's importer)
 
-    arguments = global_slots(args, kwargs or {})
+    kwargs = kwargs or {}
+    arguments = global_slots(args, kwargs)
     before = [(g._version, g._meta) for _, g in arguments]
     recorded = []
     inner = _global_tensor.dispatch
@@ -232,13 +232,13 @@ def _learn_alone(func, types, args, kwargs, known: dict, key):
     ):
         DISPATCH_ONLY.add(func)
         return result
-    bumped = _grouped_bumps(args, kwargs or {}, [(where, g._version - v) for (where, g), (v, _) in zip(arguments, before)])
+    bumped = _grouped_bumps(args, kwargs, [(where, g._version - v) for (where, g), (v, _) in zip(arguments, before)])
     plan = None
     # A call that dispatched nothing may act on the wrapper itself (requires_grad_, a hook, the grad
     # setter), and one that changed an argument's metadata acts on more than its part: neither is local.
     if recorded and all(g._meta is meta for (_, g), (_, meta) in zip(arguments, before)):
         try:
-            plan = _qualify(func, args, kwargs or {}, arguments, recorded, result, bumped)
+            plan = _qualify(func, args, kwargs, arguments, recorded, result, bumped)
         except Exception:  # noqa: BLE001 - learning must never fail a call that ran: it stays on dispatch
             plan = None
     known[key] = _REFUSED if plan is None else plan
@@ -261,8 +261,7 @@ def _grouped_bumps(args, kwargs, bumps: list) -> tuple:
         if indices == [None]:
             grouped.append((slot, None, count))
         else:
-            value = kwargs[slot] if isinstance(slot, str) else args[slot]
-            whole = indices == list(range(len(value)))
+            whole = indices == list(range(len(_argument(args, kwargs, slot))))
             grouped.append((slot, "all" if whole else tuple(indices), count))
     return tuple(grouped)
 
@@ -336,11 +335,11 @@ def _result_plan(args, kwargs, local_args, local_kwargs, result, local_result, p
                  bumped):
     """The LocalCall for the call's result (see ``_qualify``), or None."""
     if result is None:
-        return None if local_result is not None else LocalCall("none", (), (), (), (), bumped)
+        return None if local_result is not None else LocalCall("none", None, (), (), (), bumped)
     for slot, value in [*enumerate(args), *kwargs.items()]:
         if value is result:  # an argument the call wrote into (a tensor, a foreach op's list), returned as itself
-            local_value = local_kwargs[slot] if isinstance(slot, str) else local_args[slot]
-            return LocalCall("argument", (slot, None), (), (), (), bumped) if local_result is local_value else None
+            ok = local_result is _argument(local_args, local_kwargs, slot)
+            return LocalCall("argument", slot, (), (), (), bumped) if ok else None
     if bumped:  # writes an argument yet returns new tensors: a failed output check could not re-run it
         return None
     if isinstance(result, GlobalTensor):
@@ -359,7 +358,7 @@ def _result_plan(args, kwargs, local_args, local_kwargs, result, local_result, p
             return None
     return LocalCall(
         "tensor" if isinstance(result, GlobalTensor) else type(result).__name__,
-        (),
+        None,
         tuple(g._meta for g in outputs),
         tuple(g._local.shape for g in outputs),
         tuple(contiguous_strides(g._meta.shape) for g in outputs),
