@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import pickle
+import queue
 import threading
 
 import torch
@@ -41,19 +42,25 @@ def without_partial(sbp: tuple) -> tuple:
     return tuple(BROADCAST if isinstance(s, Partial) else s for s in sbp)
 
 
+@functools.lru_cache(maxsize=256)
 def _header(meta: GlobalMeta) -> torch.Tensor:
+    """The header of a tensor of ``meta`` (cached: a pipeline sends the same few layouts every micro-batch;
+    the sender never writes into it)."""
     data = pickle.dumps((meta.shape, str(meta.dtype), meta.sbp))
     if len(data) > HEADER_BYTES - 4:
         raise ValueError(f"tensor metadata too long to send between stages: {meta}")
-    out = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
-    out[:4] = torch.tensor(list(len(data).to_bytes(4, "little")), dtype=torch.uint8)
-    out[4 : 4 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    return out
+    return torch.frombuffer(bytearray(len(data).to_bytes(4, "little") + data.ljust(HEADER_BYTES - 4, b"\0")),
+                            dtype=torch.uint8)
 
 
 def _parse_header(buf: torch.Tensor):
-    n = int.from_bytes(bytes(buf[:4].tolist()), "little")
-    shape, dtype, sbp = pickle.loads(bytes(buf[4 : 4 + n].tolist()))
+    raw = buf.numpy().tobytes()
+    return _parse_header_bytes(raw[4 : 4 + int.from_bytes(raw[:4], "little")])
+
+
+@functools.lru_cache(maxsize=256)
+def _parse_header_bytes(data: bytes):
+    shape, dtype, sbp = pickle.loads(data)
     return tuple(shape), getattr(torch, dtype.removeprefix("torch.")), sbp
 
 
@@ -65,29 +72,29 @@ def _plan(src: GlobalMeta, dst: GlobalMeta):
 
 class Waiters:
     """The threads that wait for one step's point-to-point work. gloo's point-to-point work reports completion
-    only through ``wait()``, which releases the GIL, so a waiting thread per transfer lets the actor loop go
-    on with compute meanwhile. The step joins them when it ends, so that none outlives it: a daemon thread
-    still returning into Python while the interpreter shuts down aborts the process."""
+    only through ``wait()``, which releases the GIL, so waiting on other threads lets the actor loop go on with
+    compute meanwhile.
+
+    Each channel has one *lane*: a thread that runs the channel's transfers one after the other. A channel
+    moves one transfer at a time anyway (its actor fires again only when the last one is done), and handing
+    work to a waiting thread costs far less than starting one per transfer, which sat on every hand-over's
+    critical path. The step joins the lanes when it ends, so that none outlives it: a daemon thread still
+    returning into Python while the interpreter shuts down aborts the process."""
 
     def __init__(self, notify):
         self.notify = notify
-        self.threads: list[threading.Thread] = []
+        self.lanes: dict = {}  # channel -> (thread, its queue of (fn, box))
 
-    def start(self, fn):
-        """Run ``fn`` on a thread; returns a poll: None until it ended, then its result (re-raising its error)."""
-        box = {}
-
-        def target():
-            try:
-                box["value"] = fn()
-            except BaseException as err:  # noqa: BLE001 - handed to the loop
-                box["error"] = err
-            box["done"] = True
-            self.notify()
-
-        thread = threading.Thread(target=target, daemon=True)
-        thread.start()
-        self.threads.append(thread)
+    def start(self, channel, fn):
+        """Run ``fn`` on ``channel``'s lane; returns a poll: None until it ended, then its result (re-raising
+        its error)."""
+        if channel not in self.lanes:
+            work = queue.SimpleQueue()
+            thread = threading.Thread(target=self._lane, args=(work,), daemon=True)
+            thread.start()
+            self.lanes[channel] = (thread, work)
+        box: dict = {}
+        self.lanes[channel][1].put((fn, box))
 
         def poll():
             if "done" not in box:
@@ -98,11 +105,23 @@ class Waiters:
 
         return poll
 
+    def _lane(self, work: queue.SimpleQueue) -> None:
+        while (item := work.get()) is not None:
+            fn, box = item
+            try:
+                box["value"] = fn()
+            except BaseException as err:  # noqa: BLE001 - handed to the loop
+                box["error"] = err
+            box["done"] = True
+            self.notify()
+
     def join(self) -> None:
-        """Wait for every thread to end (each has reported its work done)."""
-        for thread in self.threads:
+        """Wait for every lane to finish its work and end."""
+        for thread, work in self.lanes.values():
+            work.put(None)
+        for thread, _ in self.lanes.values():
             thread.join()
-        self.threads.clear()
+        self.lanes.clear()
 
 
 class Channel:
@@ -150,7 +169,7 @@ def send(x: GlobalTensor, dst_placement, tag: int, waiters: Waiters, channel: Ch
             work.wait()
         return True
 
-    return waiters.start(post_and_wait)
+    return waiters.start(channel, post_and_wait)
 
 
 def _receiver_sbp(src_sbp: tuple, dst_placement) -> tuple:
@@ -192,13 +211,14 @@ def recv(src_placement, dst_placement, tag: int, requires_grad: bool, waiters: W
     ``() -> GlobalTensor`` on ``dst_placement`` (a leaf) once it has arrived, None before.
 
     The header and, guessing that the layout is the channel's last one, the pieces are posted at once, so the
-    data need not wait for the header to arrive first. A wrong guess receives zeros, then the real pieces."""
-    header = torch.empty(HEADER_BYTES, dtype=torch.uint8)
-    header_work = dist.irecv(header, src_placement.flat_ranks[0], tag=tag)
-    guess = channel.last
-    guessed = _post_receives(guess, dst_placement, tag + 1) if guess is not None else None
+    data need not wait for the header to arrive first. A wrong guess receives zeros, then the real pieces.
+    Posting and waiting both happen on the channel's lane, so the actor loop only hands the work over."""
 
     def receive():
+        header = torch.empty(HEADER_BYTES, dtype=torch.uint8)
+        header_work = dist.irecv(header, src_placement.flat_ranks[0], tag=tag)
+        guess = channel.last
+        guessed = _post_receives(guess, dst_placement, tag + 1) if guess is not None else None
         header_work.wait()
         shape, dtype, sbp = _parse_header(header)
         src = GlobalMeta(shape, dtype, src_placement, sbp)
@@ -213,7 +233,7 @@ def recv(src_placement, dst_placement, tag: int, requires_grad: bool, waiters: W
         finish, _ = _post_receives(src, dst_placement, first)
         return finish()
 
-    done = waiters.start(receive)
+    done = waiters.start(channel, receive)
 
     def poll():
         result = done()
