@@ -1,7 +1,7 @@
 """Moving a global tensor from one stage's placement to another's, asynchronously, for the pipeline's transfer
 actors.
 
-The sender does not block: ``send`` posts the pieces with ``dist.isend`` and returns a poll that reports when
+The sender does not block: ``send`` posts the pieces with ``isend`` and returns a poll that reports when
 they are gone. The receiver does not know the tensor's shape or SBP in advance (micro-batches may differ in
 size, a stage may return a split or partial activation), so the first rank of the source placement sends a
 small header (pickled shape, dtype and SBP) to every destination rank. Waiting for the header before posting
@@ -70,20 +70,31 @@ def _plan(src: GlobalMeta, dst: GlobalMeta):
     return plan_cross(src, dst)
 
 
-class Waiters:
-    """The threads that wait for one step's point-to-point work. gloo's point-to-point work reports completion
-    only through ``wait()``, which releases the GIL, so waiting on other threads lets the actor loop go on with
-    compute meanwhile.
+class Cancelled(Exception):
+    """The step failed: a lane leaves its transfer, whose posted work ``Lanes.drain`` answered."""
 
-    Each channel has one *lane*: a thread that runs the channel's transfers one after the other. A channel
-    moves one transfer at a time anyway (its actor fires again only when the last one is done), and handing
-    work to a waiting thread costs far less than starting one per transfer, which sat on every hand-over's
-    critical path. The step joins the lanes when it ends, so that none outlives it: a daemon thread still
-    returning into Python while the interpreter shuts down aborts the process."""
+
+class Lanes:
+    """The threads that run one step's transfers, and a record of the point-to-point work they posted.
+
+    gloo's point-to-point work reports completion only through ``wait()``, which releases the GIL, so waiting
+    on other threads lets the actor loop go on with compute meanwhile. Each channel has one *lane*: a thread
+    that runs the channel's transfers one after the other. A channel moves one transfer at a time anyway (its
+    actor fires again only when the last one is done), and handing work to a waiting thread costs far less
+    than starting one per transfer, which sat on every hand-over's critical path.
+
+    When a step fails, ranks stop with sends and receives posted that their peers will never match, and the
+    lanes waiting on them would never end. Every send and receive goes through ``isend`` / ``irecv``, which
+    record it, so ``drain`` can answer each one left without its other half. Lanes end with the step (``join``
+    or ``drain``): a daemon thread still returning into Python while the interpreter shuts down aborts the
+    process."""
 
     def __init__(self, notify):
         self.notify = notify
         self.lanes: dict = {}  # channel -> (thread, its queue of (fn, box))
+        self._lock = threading.Lock()
+        self._posted: list[tuple] = []  # (kind, src, dst, tag, numel, dtype) of every isend / irecv
+        self._cancelled = False
 
     def start(self, channel, fn):
         """Run ``fn`` on ``channel``'s lane; returns a poll: None until it ended, then its result (re-raising
@@ -115,6 +126,27 @@ class Waiters:
             box["done"] = True
             self.notify()
 
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int):
+        self._record("send", dist.get_rank(), dst, tag, tensor)
+        return dist.isend(tensor, dst, tag=tag)
+
+    def irecv(self, buf: torch.Tensor, src: int, tag: int):
+        self._record("recv", src, dist.get_rank(), tag, buf)
+        return dist.irecv(buf, src, tag=tag)
+
+    def _record(self, kind: str, src: int, dst: int, tag: int, tensor: torch.Tensor) -> None:
+        with self._lock:  # a post after ``drain`` took its snapshot would never be answered
+            if self._cancelled:
+                raise Cancelled
+            self._posted.append((kind, src, dst, tag, tensor.numel(), tensor.dtype))
+
+    def wait(self, work) -> None:
+        """Wait for posted work; raises ``Cancelled`` if the step failed meanwhile (the work may hold the zeros
+        that ``drain`` sent)."""
+        work.wait()
+        if self._cancelled:
+            raise Cancelled
+
     def join(self) -> None:
         """Wait for every lane to finish its work and end."""
         for thread, work in self.lanes.values():
@@ -122,6 +154,28 @@ class Waiters:
         for thread, _ in self.lanes.values():
             thread.join()
         self.lanes.clear()
+
+    def drain(self) -> None:
+        """After a failed step, on every rank (a collective of the default group): answer every send or receive
+        whose peer never posted the other half (a receive gets zeros, a send is received into scratch space),
+        so that every lane's wait returns, then end the lanes. Tags are unique within a step, so a posted half
+        and its record on the peer's side identify each other."""
+        with self._lock:
+            self._cancelled = True
+            mine = list(self._posted)
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        posted = {record[:4] for records in everyone for record in records}
+        me, answers = dist.get_rank(), []
+        for records in everyone:
+            for kind, src, dst, tag, numel, dtype in records:
+                if kind == "recv" and src == me and ("send", src, dst, tag) not in posted:
+                    answers.append(dist.isend(torch.zeros(numel, dtype=dtype), dst, tag=tag))
+                elif kind == "send" and dst == me and ("recv", src, dst, tag) not in posted:
+                    answers.append(dist.irecv(torch.empty(numel, dtype=dtype), src, tag=tag))
+        for work in answers:
+            work.wait()
+        self.join()
 
 
 class Channel:
@@ -137,9 +191,9 @@ def _destination(src: GlobalMeta, dst_placement) -> GlobalMeta:
     return GlobalMeta(src.shape, src.dtype, dst_placement, _receiver_sbp(src.sbp, dst_placement))
 
 
-def send(x: GlobalTensor, dst_placement, tag: int, waiters: Waiters, channel: Channel):
+def send(x: GlobalTensor, dst_placement, tag: int, lanes: Lanes, channel: Channel):
     """Post this rank's pieces of ``x`` (no partial axes) towards ``dst_placement``; returns a poll:
-    ``() -> True`` once every send completed (``waiters.notify()`` is called then).
+    ``() -> True`` once every send completed (``lanes.notify()`` is called then).
 
     Tags from ``tag`` on: the header, then the pieces of the layout the receivers guessed (the channel's last),
     then, if the guess is wrong, the real pieces after those. A wrong guess is answered with zeros of the
@@ -164,12 +218,12 @@ def send(x: GlobalTensor, dst_placement, tag: int, waiters: Waiters, channel: Ch
 
     def post_and_wait():
         # posted here, not by the actor loop: gloo writes what the socket takes at once in the posting thread
-        works = [dist.isend(t.contiguous(), r, tag=t_) for t, r, t_ in outgoing]
+        works = [lanes.isend(t.contiguous(), r, t_) for t, r, t_ in outgoing]
         for work in works:
-            work.wait()
+            lanes.wait(work)
         return True
 
-    return waiters.start(channel, post_and_wait)
+    return lanes.start(channel, post_and_wait)
 
 
 def _receiver_sbp(src_sbp: tuple, dst_placement) -> tuple:
@@ -179,7 +233,7 @@ def _receiver_sbp(src_sbp: tuple, dst_placement) -> tuple:
     return (BROADCAST,) * dst_placement.ndim
 
 
-def _post_receives(src: GlobalMeta, dst_placement, first_tag: int):
+def _post_receives(src: GlobalMeta, dst_placement, first_tag: int, lanes: Lanes):
     """Post this rank's receives of the pieces of a tensor of ``src``, under tags from ``first_tag`` on;
     returns (finish, the number of pieces of the plan), where ``finish()`` waits for them and returns (this
     rank's part, its metadata). Pieces that are contiguous views of the part are received in place."""
@@ -194,11 +248,11 @@ def _post_receives(src: GlobalMeta, dst_placement, first_tag: int):
         if piece.dst == me:
             view = cut(out, origin, piece)
             buf = view if view.is_contiguous() else torch.empty(piece.lengths, dtype=src.dtype)
-            posted.append((dist.irecv(buf, piece.src, tag=first_tag + i), buf, view))
+            posted.append((lanes.irecv(buf, piece.src, first_tag + i), buf, view))
 
     def finish():
         for work, buf, view in posted:
-            work.wait()
+            lanes.wait(work)
             if buf is not view:
                 view.copy_(buf)
         return out, dst
@@ -206,7 +260,7 @@ def _post_receives(src: GlobalMeta, dst_placement, first_tag: int):
     return finish, len(pieces)
 
 
-def recv(src_placement, dst_placement, tag: int, requires_grad: bool, waiters: Waiters, channel: Channel):
+def recv(src_placement, dst_placement, tag: int, requires_grad: bool, lanes: Lanes, channel: Channel):
     """Post the receives of a tensor sent by ``send`` from ``src_placement``; returns a poll:
     ``() -> GlobalTensor`` on ``dst_placement`` (a leaf) once it has arrived, None before.
 
@@ -216,10 +270,10 @@ def recv(src_placement, dst_placement, tag: int, requires_grad: bool, waiters: W
 
     def receive():
         header = torch.empty(HEADER_BYTES, dtype=torch.uint8)
-        header_work = dist.irecv(header, src_placement.flat_ranks[0], tag=tag)
+        header_work = lanes.irecv(header, src_placement.flat_ranks[0], tag)
         guess = channel.last
-        guessed = _post_receives(guess, dst_placement, tag + 1) if guess is not None else None
-        header_work.wait()
+        guessed = _post_receives(guess, dst_placement, tag + 1, lanes) if guess is not None else None
+        lanes.wait(header_work)
         shape, dtype, sbp = _parse_header(header)
         src = GlobalMeta(shape, dtype, src_placement, sbp)
         channel.last = src
@@ -230,10 +284,10 @@ def recv(src_placement, dst_placement, tag: int, requires_grad: bool, waiters: W
             if src == guess:
                 return result
             first += count  # the guess was wrong: its pieces were zeros
-        finish, _ = _post_receives(src, dst_placement, first)
+        finish, _ = _post_receives(src, dst_placement, first, lanes)
         return finish()
 
-    done = waiters.start(channel, receive)
+    done = lanes.start(channel, receive)
 
     def poll():
         result = done()

@@ -137,7 +137,7 @@ class Pipeline:
         self.input_sbp, self.target_sbp = input_sbp, target_sbp
         me = dist.get_rank()
         self.stage = next(s for s, p in enumerate(self.placements) if me in p)
-        self._id, self._steps, self._broken = next(_pipeline_ids), 0, None
+        self._id, self._steps = next(_pipeline_ids), 0
         self.events, self.peak_activations = [], 0
         self._channels: dict = {}
 
@@ -150,8 +150,6 @@ class Pipeline:
         """Forward and backward of every micro-batch of ``(inputs, targets)`` (plain tensors, the same on every
         rank); gradients accumulate into the parameters' ``.grad``. Returns the batch's mean loss on every
         rank. Raises ``PipelineError`` on every rank if a stage raised on any."""
-        if self._broken:
-            raise PipelineError(f"an earlier step failed ({self._broken}); build a new process group and pipeline")
         n, m = inputs.shape[0], self.micro_batches
         if n < m:
             raise ValueError(f"a batch of {n} samples cannot be split into {m} micro-batches (each needs one)")
@@ -165,12 +163,12 @@ class Pipeline:
         runtime = _actor_runtime.core.Runtime(check=_store_watch(store, key))
         self.tied.begin_step()
         losses = []
-        waiters = transfer.Waiters(runtime.notify)
-        registers = self._build(runtime, waiters, xs, ys, weights, losses)
+        lanes = transfer.Lanes(runtime.notify)
+        registers = self._build(runtime, lanes, xs, ys, weights, losses)
         failure = None
         try:
             runtime.run()
-            waiters.join()
+            lanes.join()
         except _Stopped:
             failure = "stopped"
         except Exception as err:  # noqa: BLE001 - any stage error stops every rank
@@ -184,8 +182,9 @@ class Pipeline:
                             dtype=torch.float64)
         dist.all_reduce(flag)
         if flag[1] > 0:
+            lanes.drain()
+            self._channels.clear()  # senders and receivers of an unfinished step guess different layouts next
             message = store.get(key).decode()
-            self._broken = message.splitlines()[0]
             if isinstance(failure, Exception):
                 raise PipelineError(message) from failure
             raise PipelineError(message)
@@ -202,7 +201,7 @@ class Pipeline:
         dist.all_gather_object(gathered, [(e.actor, e.kind, e.index, e.start, e.end) for e in self.events])
         return Timeline(gathered)
 
-    def _build(self, runtime, waiters, xs, ys, weights, losses) -> dict:
+    def _build(self, runtime, lanes, xs, ys, weights, losses) -> dict:
         """This rank's actors and registers for one step; returns the registers by name."""
         core = _actor_runtime.core  # C++ or Python, as chosen when the step began
         Actor, Pending, Register = core.Actor, core.Pending, core.Register
@@ -221,14 +220,14 @@ class Pipeline:
 
         def receiving(src, boundary, direction, requires_grad):
             def body(i, _):
-                poll = transfer.recv(src, here, tag(boundary, direction, i), requires_grad, waiters,
+                poll = transfer.recv(src, here, tag(boundary, direction, i), requires_grad, lanes,
                                      self._channel(boundary, direction))
                 return Pending(lambda: (lambda x: None if x is None else (x,))(poll()))
             return body
 
         def sending(dst, boundary, direction):
             def body(i, inputs):
-                poll = transfer.send(inputs[0], dst, tag(boundary, direction, i), waiters,
+                poll = transfer.send(inputs[0], dst, tag(boundary, direction, i), lanes,
                                      self._channel(boundary, direction))
                 return Pending(lambda: () if poll() else None)
             return body

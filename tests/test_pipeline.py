@@ -292,32 +292,67 @@ def test_bad_input_refused_on_every_rank(case, message):
         assert pytest.importorskip("re").search(message, got), got
 
 
-class _Boom(nn.Module):
-    """Raises on one rank at its third micro-batch."""
+class _RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
 
-    def __init__(self, rank: int):
+    @staticmethod
+    def backward(ctx, g):
+        raise ValueError("boom in a stage")
+
+
+class _Boom(nn.Module):
+    """``layer``, except that on ``rank`` its third forward raises, or the backward of that forward does."""
+
+    def __init__(self, layer: nn.Module, rank: int, where: str):
         super().__init__()
-        self.linear, self.rank, self.calls = nn.Linear(WIDTH, WIDTH), rank, 0
+        self.layer, self.rank, self.where, self.calls = layer, rank, where, 0
 
     def forward(self, x):
         self.calls += 1
+        y = self.layer(x)
         if self.calls == 3 and torch.distributed.get_rank() == self.rank:
-            raise ValueError("boom in a stage")
-        return self.linear(x)
+            if self.where == "forward":
+                raise ValueError("boom in a stage")
+            y = _RaiseInBackward.apply(y)
+        return y
 
 
-def _stage_error(failing_rank: int) -> str:
-    stages = [(_Boom(failing_rank) if s == 1 else layer).to_global(st.placement("cpu", [s]))
-              for s, layer in enumerate(_layers(3))]
-    pipe = Pipeline(stages, nn.functional.mse_loss, 4, "1f1b")
-    try:
-        pipe.step(torch.randn(8, WIDTH), torch.randn(8, WIDTH))
-    except PipelineError as err:
-        return str(err)
-    return "no error"
+FAILURES = [(rank, where) for rank in range(3) for where in ["forward", "backward"]]
 
 
-def test_stage_error_stops_every_rank():
-    # its own world: ranks that stopped leave receives posted, which a later pipeline must not meet
-    for got in run_on_world(3, _stage_error, 1, _timeout=60):
-        assert "stage 1 on rank 1 raised ValueError: boom in a stage" in got
+def _stage_errors() -> list:
+    """For each failure: the error every rank raised, then whether a step on the same pipeline afterwards
+    matched one process (loss and gradients). That step meets no receive or send left posted by the failure:
+    those would take its messages, or make it wait."""
+    (x0, y0), (x1, y1) = _batches(8)[:2]
+    reference = nn.Sequential(*_layers(3))
+    expected = nn.functional.mse_loss(reference(x1), y1)
+    expected.backward()
+    out = []
+    for rank, where in FAILURES:
+        layers = _layers(3)
+        stages = [(_Boom(layer, rank, where) if s == rank else layer).to_global(st.placement("cpu", [s]))
+                  for s, layer in enumerate(layers)]
+        pipe = Pipeline(stages, nn.functional.mse_loss, 4, "1f1b")
+        try:
+            pipe.step(x0, y0)
+            error = "no error"
+        except PipelineError as err:
+            error = str(err)
+        for p in stages[pipe.stage].parameters():
+            p.grad = None
+        loss = pipe.step(x1, y1)
+        mine = [p.grad.full_tensor() for p in stages[pipe.stage].parameters()]
+        theirs = [p.grad for p in reference[pipe.stage].parameters()]
+        out.append((error, abs(loss - expected.item()) < 1e-6 and all(torch.allclose(a, b, atol=1e-6)
+                                                                      for a, b in zip(mine, theirs))))
+    return out
+
+
+def test_stage_error_stops_every_rank_and_the_pipeline_goes_on():
+    for results in run_on_world(3, _stage_errors, _timeout=60):
+        for (rank, where), (error, next_step_matches) in zip(FAILURES, results):
+            assert f"stage {rank} on rank {rank} raised ValueError: boom in a stage" in error, (rank, where, error)
+            assert next_step_matches, (rank, where)

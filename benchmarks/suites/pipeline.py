@@ -117,14 +117,17 @@ def _calibrate(target_s: float) -> int:
 
 
 class _LinkTime:
-    """Hands a send's work to its lane after ``seconds`` spent there: the transfer takes that long on its
-    channel (one at a time, as on a link) and no CPU."""
+    """A step's lanes whose sends start with ``seconds`` spent on their lane: the transfer takes that long on
+    its channel (one at a time, as on a link) and no CPU."""
 
-    def __init__(self, waiters, seconds: float):
-        self.waiters, self.seconds = waiters, seconds
+    def __init__(self, lanes, seconds: float):
+        self.lanes, self.seconds = lanes, seconds
 
     def start(self, channel, fn):
-        return self.waiters.start(channel, lambda: (time.sleep(self.seconds), fn())[1])
+        return self.lanes.start(channel, lambda: (time.sleep(self.seconds), fn())[1])
+
+    def __getattr__(self, name):
+        return getattr(self.lanes, name)
 
 
 @contextlib.contextmanager
@@ -132,8 +135,8 @@ def _link_time(seconds: float):
     """Every stage send within takes ``seconds`` more on its lane (see ``_LinkTime``)."""
     send = transfer.send
 
-    def timed_send(x, dst, tag, waiters, channel):
-        return send(x, dst, tag, _LinkTime(waiters, seconds), channel)
+    def timed_send(x, dst, tag, lanes, channel):
+        return send(x, dst, tag, _LinkTime(lanes, seconds), channel)
 
     transfer.send = timed_send
     try:
