@@ -72,16 +72,31 @@ def _stage_placement(index: int, module: nn.Module):
 
 
 def _check_placements(placements: list) -> None:
+    """Stage placements a pipeline can run: one device type, every rank of the world in some stage, and a rank
+    in several stages (interleaved virtual stages) only where each of those stages is on that rank alone and
+    no two of them are consecutive."""
     world = dist.get_world_size()
-    owner = {}
+    owners: dict = {}
     for s, p in enumerate(placements):
         if p.type != placements[0].type:
             raise ValueError(f"stage {s} is on {p.type} but stage 0 is on {placements[0].type}")
         for r in p.flat_ranks:
-            if r in owner:
-                raise ValueError(f"rank {r} is in the placements of stages {owner[r]} and {s}: stages must not overlap")
-            owner[r] = s
-    idle = sorted(set(range(world)) - set(owner))
+            owners.setdefault(r, []).append(s)
+    for r, stages in owners.items():
+        if len(stages) == 1:
+            continue
+        wide = [s for s in stages if placements[s].size > 1]
+        if wide:
+            raise ValueError(
+                f"rank {r} is in the placements of stages {stages}, and stage {wide[0]} has several ranks: a "
+                f"rank may hold several stages only if each is on that rank alone (the order of their actors "
+                f"follows message timing, and a data or tensor parallel stage's collectives need one order on "
+                f"all its ranks)")
+        for a, b in zip(stages, stages[1:]):
+            if b == a + 1:
+                raise ValueError(f"rank {r} holds the consecutive stages {a} and {b}: put them in one module, "
+                                 f"or on different ranks")
+    idle = sorted(set(range(world)) - set(owners))
     if idle:
         raise ValueError(f"rank(s) {idle} of the {world}-rank world are in no stage's placement: "
                          f"stage placements must cover every rank")
@@ -136,15 +151,14 @@ class Pipeline:
         self.loss_fn, self.micro_batches, self.schedule = loss_fn, micro_batches, schedule
         self.input_sbp, self.target_sbp = input_sbp, target_sbp
         me = dist.get_rank()
-        self.stage = next(s for s, p in enumerate(self.placements) if me in p)
+        self.local_stages = [s for s, p in enumerate(self.placements) if me in p]
         self._id, self._steps = next(_pipeline_ids), 0
-        self.events, self.peak_activations = [], 0
+        self.events, self.peak_activations = [], {}
         self._channels: dict = {}
 
-    @property
-    def quota(self) -> int:
-        """Forward register slots of this rank's stage: the most micro-batches it keeps activations for."""
-        return SCHEDULES[self.schedule](len(self.stages), self.stage, self.micro_batches)
+    def quota(self, stage: int) -> int:
+        """Forward register slots of ``stage``: the most micro-batches it keeps activations for."""
+        return SCHEDULES[self.schedule](len(self.stages), stage, self.micro_batches)
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """Forward and backward of every micro-batch of ``(inputs, targets)`` (plain tensors, the same on every
@@ -164,7 +178,16 @@ class Pipeline:
         self.tied.begin_step()
         losses = []
         lanes = transfer.Lanes(runtime.notify)
-        registers = self._build(runtime, lanes, xs, ys, weights, losses)
+        # priority: every transfer before any compute (a transfer only hands work to its lane, and may unblock
+        # another rank), then the later stages' compute first, so that earlier micro-batches finish first
+        built = {stage: self._build(stage, lanes, xs, ys, weights, losses) for stage in reversed(self.local_stages)}
+        for transfers, _, _ in built.values():
+            for actor in transfers:
+                runtime.add(actor)
+        for _, computes, _ in built.values():
+            for actor in computes:
+                runtime.add(actor)
+        forwards = {stage: forward for stage, (_, _, forward) in built.items()}
         failure = None
         try:
             runtime.run()
@@ -173,10 +196,11 @@ class Pipeline:
             failure = "stopped"
         except Exception as err:  # noqa: BLE001 - any stage error stops every rank
             failure = err
-            store.set(key, f"stage {self.stage} on rank {dist.get_rank()} raised {type(err).__name__}: {err}\n"
+            where = getattr(err, "pipeline_stage", "/".join(map(str, self.local_stages)))
+            store.set(key, f"stage {where} on rank {dist.get_rank()} raised {type(err).__name__}: {err}\n"
                            + "".join(traceback.format_exception(err)))
         self.events = runtime.events
-        self.peak_activations = registers["forward"].peak
+        self.peak_activations = {stage: forwards[stage].peak for stage in self.local_stages}
         report = dist.get_rank() == self.placements[-1].flat_ranks[0]
         flag = torch.tensor([sum(losses) if report and failure is None else 0.0, float(failure is not None)],
                             dtype=torch.float64)
@@ -201,15 +225,15 @@ class Pipeline:
         dist.all_gather_object(gathered, [(e.actor, e.kind, e.index, e.start, e.end) for e in self.events])
         return Timeline(gathered)
 
-    def _build(self, runtime, lanes, xs, ys, weights, losses) -> dict:
-        """This rank's actors and registers for one step; returns the registers by name."""
+    def _build(self, s: int, lanes, xs, ys, weights, losses):
+        """Stage ``s``'s actors and registers for one step: (its transfer actors, its forward and backward
+        actors, its forward register), each list in priority order."""
         core = _actor_runtime.core  # C++ or Python, as chosen when the step began
         Actor, Pending, Register = core.Actor, core.Pending, core.Register
-        s, p, m = self.stage, len(self.stages), self.micro_batches
+        p, m = len(self.stages), self.micro_batches
         here, module = self.placements[s], self.stages[s]
         first, last = s == 0, s == p - 1
-        forward = Register("forward", self.quota, read_when_full=True)
-        regs = {"forward": forward}
+        forward = Register(f"forward s{s}", self.quota(s), read_when_full=True)
         act_in = Register("activation in", TRANSFER_SLOTS) if not first else None
         act_out = Register("activation out", TRANSFER_SLOTS) if not last else None
         grad_in = Register("gradient in", TRANSFER_SLOTS) if not last else None
@@ -261,22 +285,36 @@ class Pipeline:
             grad = x.grad if x.grad is not None else torch.zeros_like(x)
             return (_sendable(grad),)
 
+        transfers = []
         if not first:
-            runtime.add(Actor(f"recv activation s{s}", receiving(self.placements[s - 1], s - 1, 0, True), m,
-                              outputs=[act_in], kind="transfer"))
+            transfers.append(Actor(f"recv activation s{s}", receiving(self.placements[s - 1], s - 1, 0, True), m,
+                                   outputs=[act_in], kind="transfer"))
         if not last:
-            runtime.add(Actor(f"recv gradient s{s}", receiving(self.placements[s + 1], s, 1, False), m,
-                              outputs=[grad_in], kind="transfer"))
-            runtime.add(Actor(f"send activation s{s}", sending(self.placements[s + 1], s, 0), m,
-                              inputs=[act_out], kind="transfer"))
+            transfers.append(Actor(f"recv gradient s{s}", receiving(self.placements[s + 1], s, 1, False), m,
+                                   outputs=[grad_in], kind="transfer"))
+            transfers.append(Actor(f"send activation s{s}", sending(self.placements[s + 1], s, 0), m,
+                                   inputs=[act_out], kind="transfer"))
         if not first:
-            runtime.add(Actor(f"send gradient s{s}", sending(self.placements[s - 1], s - 1, 1), m,
-                              inputs=[grad_out], kind="transfer"))
-        runtime.add(Actor(f"forward s{s}", forward_body, m, inputs=[act_in] if act_in else [],
-                          outputs=[forward] + ([act_out] if act_out else []), kind="forward"))
-        runtime.add(Actor(f"backward s{s}", backward_body, m, inputs=[forward] + ([grad_in] if grad_in else []),
-                          outputs=[grad_out] if grad_out else [], kind="backward"))
-        return regs
+            transfers.append(Actor(f"send gradient s{s}", sending(self.placements[s - 1], s - 1, 1), m,
+                                   inputs=[grad_out], kind="transfer"))
+        computes = [
+            Actor(f"forward s{s}", _in_stage(s, forward_body), m, inputs=[act_in] if act_in else [],
+                  outputs=[forward] + ([act_out] if act_out else []), kind="forward"),
+            Actor(f"backward s{s}", _in_stage(s, backward_body), m, inputs=[forward] + ([grad_in] if grad_in else []),
+                  outputs=[grad_out] if grad_out else [], kind="backward"),
+        ]
+        return transfers, computes, forward
+
+
+def _in_stage(stage: int, body):
+    """``body``, whose errors carry the stage they came from (a rank may run several stages)."""
+    def run(i, inputs):
+        try:
+            return body(i, inputs)
+        except Exception as err:
+            err.pipeline_stage = stage
+            raise
+    return run
 
 
 

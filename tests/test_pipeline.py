@@ -52,6 +52,7 @@ LAYOUTS = {
     "data parallel stages": ([[0, 1], [2, 3]], None, split(0), 2),
     "tensor parallel stages": ([[0, 1], [2, 3]], [{"0.weight": split(0), "0.bias": split(0)},
                                                   {"0.weight": split(1)}], broadcast, 1),
+    "interleaved stages": ("two per rank, round robin", None, None, 1),
 }
 
 
@@ -66,7 +67,7 @@ def _pipelined(world: int, layout: str, schedule: str, micro_batches: int, rows:
 
 def _run_pipelined(world: int, layout: str, schedule: str, micro_batches: int, rows: int):
     ranks, plans, input_sbp, per_stage = LAYOUTS[layout]
-    ranks = ranks or [[r] for r in range(world)]
+    ranks = _stage_ranks(ranks, world)
     layers = _layers(len(ranks) * per_stage)
     stages = []
     for s, group in enumerate(ranks):
@@ -76,15 +77,24 @@ def _run_pipelined(world: int, layout: str, schedule: str, micro_batches: int, r
                     target_sbp=input_sbp)
     params = [p for stage in stages for p in stage.parameters()]
     opt = torch.optim.Adam(params, lr=0.01)
-    losses, peaks = [], []
+    losses, peaks = [], {}
     for x, y in _batches(rows):
         opt.zero_grad()
         losses.append(pipe.step(x, y))
         opt.step()
-        peaks.append(pipe.peak_activations)
+        for stage, peak in pipe.peak_activations.items():
+            peaks[stage] = max(peak, peaks.get(stage, 0))
     me = torch.distributed.get_rank()
     full = {i: p.detach().full_tensor() for i, p in enumerate(params) if me in p.placement}
-    return losses, full, pipe.stage, len(stages), max(peaks)
+    return losses, full, len(stages), peaks
+
+
+def _stage_ranks(ranks, world: int) -> list[list[int]]:
+    if ranks is None:
+        return [[r] for r in range(world)]
+    if ranks == "two per rank, round robin":
+        return [[s % world] for s in range(2 * world)]
+    return ranks
 
 
 CASES = [
@@ -94,6 +104,8 @@ CASES = [
     (4, "one rank per stage", "gpipe", 4, 8),
     (4, "data parallel stages", "1f1b", 4, 12),
     (4, "tensor parallel stages", "gpipe", 3, 6),
+    (2, "interleaved stages", "1f1b", 5, 9),  # uneven: 2, 2, 2, 2, 1
+    (4, "interleaved stages", "gpipe", 4, 8),
 ]
 
 
@@ -102,17 +114,18 @@ CASES = [
 def test_matches_one_process(world, layout, schedule, micro_batches, rows, core):
     results = run_on_world(world, _pipelined, world, layout, schedule, micro_batches, rows, core)
     ranks, _, _, per_stage = LAYOUTS[layout]
-    want_losses, want_params = _reference(len(ranks or range(world)) * per_stage, rows)
-    for losses, params, stage, p, peak in results:
+    want_losses, want_params = _reference(len(_stage_ranks(ranks, world)) * per_stage, rows)
+    for losses, params, p, peaks in results:
         assert losses == pytest.approx(want_losses, rel=1e-5)
-        assert params, "every rank holds the parameters of its stage"
+        assert params, "every rank holds the parameters of its stages"
         for i, got in params.items():
             torch.testing.assert_close(got, want_params[i], rtol=1e-5, atol=1e-6)
         # the forward register's quota is what bounds the activations kept alive
-        if schedule == "1f1b":
-            assert peak <= p - stage <= p
-        else:
-            assert peak == micro_batches
+        for stage, peak in peaks.items():
+            if schedule == "1f1b":
+                assert peak <= p - stage <= p
+            else:
+                assert peak == micro_batches
 
 
 # ---- a parameter tied across stages ------------------------------------------------------------------------
@@ -265,6 +278,8 @@ def _refusal(case: str) -> str:
     p0, p1, both = st.placement("cpu", [0]), st.placement("cpu", [1]), st.placement("cpu", [0, 1])
     if case == "overlap":
         stages = [layers[0].to_global(both), layers[1].to_global(p1)]
+    elif case == "consecutive":
+        stages = [layers[0].to_global(p0), layers[1].to_global(p0), layers[2].to_global(p1)]
     elif case == "uncovered":
         stages = [layers[0].to_global(p0)]
     elif case == "two placements":
@@ -280,7 +295,8 @@ def _refusal(case: str) -> str:
 
 
 @pytest.mark.parametrize("case,message", [
-    ("overlap", "rank 1 is in the placements of stages 0 and 1"),
+    ("overlap", r"rank 1 is in the placements of stages \[0, 1\], and stage 0 has several ranks"),
+    ("consecutive", "rank 0 holds the consecutive stages 0 and 1"),
     ("uncovered", r"rank\(s\) \[1\] .* in no stage"),
     ("two placements", "stage 0 has parameters on two placements"),
     ("schedule", "unknown schedule 'zigzag'"),
@@ -341,11 +357,12 @@ def _stage_errors() -> list:
             error = "no error"
         except PipelineError as err:
             error = str(err)
-        for p in stages[pipe.stage].parameters():
+        (here,) = pipe.local_stages
+        for p in stages[here].parameters():
             p.grad = None
         loss = pipe.step(x1, y1)
-        mine = [p.grad.full_tensor() for p in stages[pipe.stage].parameters()]
-        theirs = [p.grad for p in reference[pipe.stage].parameters()]
+        mine = [p.grad.full_tensor() for p in stages[here].parameters()]
+        theirs = [p.grad for p in reference[here].parameters()]
         out.append((error, abs(loss - expected.item()) < 1e-6 and all(torch.allclose(a, b, atol=1e-6)
                                                                       for a, b in zip(mine, theirs))))
     return out
