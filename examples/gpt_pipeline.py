@@ -12,7 +12,9 @@ every rank that its losses match single-process training of the same model to wi
 * ``pp``: one stage per rank (2 stages on 2 ranks, 4 on 4);
 * ``pp_tp`` (4 ranks): 2 stages on ranks [0, 1] and [2, 3], each Megatron-style tensor parallel inside with
   ``gpt.py``'s plan (the logits stay split over the vocabulary into a vocab-parallel cross entropy);
-* ``pp_dp`` (4 ranks): 2 stages, each data parallel inside (every micro-batch split over the stage's ranks).
+* ``pp_dp`` (4 ranks): 2 stages, each data parallel inside (every micro-batch split over the stage's ranks);
+* ``pp_interleaved`` (2 ranks): 4 stages of one block, stage ``g`` on rank ``g mod 2``: interleaved virtual
+  stages, whose schedule emerges from the 1F1B quotas over the 4 stages.
 
 The GPT ties its LM head to its token embedding, which sit on the first and last stages. The last stage holds
 a copy of the embedding as its head, and the pipeline keeps the two equal (``tied=``): the same value to
@@ -102,6 +104,8 @@ STAGE_TENSOR_PARALLEL = {("embed." if name.startswith("tokens") else "final." if
 def layouts(world: int) -> dict:
     """mode -> (stage rank lists, parameter plan inside a stage, batch SBP inside a stage)."""
     out = {"pp": ([[r] for r in range(world)], broadcast, broadcast)}
+    if 2 * world <= LAYERS:
+        out["pp_interleaved"] = ([[s % world] for s in range(2 * world)], broadcast, broadcast)
     if world == 4:
         out["pp_tp"] = ([[0, 1], [2, 3]], STAGE_TENSOR_PARALLEL, broadcast)
         out["pp_dp"] = ([[0, 1], [2, 3]], broadcast, split(0))
@@ -141,7 +145,7 @@ def tied_drift(stages: list[Stage]) -> float:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--mode", choices=["pp", "pp_tp", "pp_dp", "all"], default="all")
+    parser.add_argument("--mode", choices=["pp", "pp_tp", "pp_dp", "pp_interleaved", "all"], default="all")
     parser.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
     args = parser.parse_args()
     dist.init_process_group("gloo")
@@ -151,7 +155,7 @@ def main():
         worst = max(abs(g - w) / abs(w) for g, w in zip(got, want))
         if dist.get_rank() == 0:
             stages = len(modes[mode][0])
-            print(f"{mode:6} {stages} stages, {args.schedule}: losses {want[0]:.5f} -> {want[-1]:.5f} in "
+            print(f"{mode:14} {stages} stages, {args.schedule}: losses {want[0]:.5f} -> {want[-1]:.5f} in "
                   f"{args.steps} steps; largest relative difference from one process: {worst:.1e}; "
                   f"tied copies differ by {drift:.1e}", flush=True)
         assert worst < 1e-5, f"{mode}: losses differ from single-process training by {worst:.1e}"

@@ -54,7 +54,7 @@ def _gpt_pipeline_losses(mode, steps, schedule):
 
 
 @pytest.mark.parametrize("world,mode,schedule", [(2, "pp", "1f1b"), (4, "pp", "gpipe"), (4, "pp_tp", "1f1b"),
-                                                 (4, "pp_dp", "gpipe")])
+                                                 (4, "pp_dp", "gpipe"), (2, "pp_interleaved", "1f1b")])
 def test_gpt_pipelined_trains_like_one_process(world, mode, schedule):
     for want, got, drift in run_on_world(world, _gpt_pipeline_losses, mode, 3, schedule):
         assert _close(want, got), (want, got)

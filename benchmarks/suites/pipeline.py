@@ -252,7 +252,7 @@ def report(rows: list[dict]) -> str:
             f"on rank `g mod p`, each taking `1/v` of the time), `(p-1)/(v m+p-1)`. Largest distance from theory "
             f"for GPipe and 1F1B: {worst:.3f} (target 0.05). Interleaving two stages per rank took 1F1B's bubble "
             f"from {before} to {after} (the rows in order); it stays further from "
-            f"its theory because every micro-batch crosses twice as many hand-overs, each about a millisecond "
+            f"its theory because every micro-batch crosses twice as many hand-overs, each 1 to 2 ms "
             f"here.\n\n{table}\n\n"
             f"Transfer overlap (target: < 10% longer steps when each transfer takes 0.3 of a forward): the step "
             f"with every activation and gradient taking the share of a forward in the fifth column, against the "
@@ -265,6 +265,8 @@ def report(rows: list[dict]) -> str:
             f"transfers, so every micro-batch costs stage 0 at least `2 (p - 1) t / p` more.\n\n{overlap}\n\n"
             "1F1B timelines (m = 8), drawn by `Pipeline.timeline().write_png`:\n\n"
             "![p=2](pipeline_timeline_p2.png)\n\n![p=4](pipeline_timeline_p4.png)\n\n"
+            "Two interleaved stages per rank (1F1B quotas over all the stages):\n\n"
+            "![p=2, interleaved](pipeline_timeline_p2_interleaved2.png)\n\n"
             "![p=4, interleaved](pipeline_timeline_p4_interleaved2.png)\n")
 
 
