@@ -75,26 +75,30 @@ class Cancelled(Exception):
 
 
 class Lanes:
-    """The threads that run one step's transfers, and a record of the point-to-point work they posted.
+    """The threads that run a pipeline's transfers, and a record of the point-to-point work each step posted.
 
     gloo's point-to-point work reports completion only through ``wait()``, which releases the GIL, so waiting
     on other threads lets the actor loop go on with compute meanwhile. Each channel has one *lane*: a thread
     that runs the channel's transfers one after the other. A channel moves one transfer at a time anyway (its
     actor fires again only when the last one is done), and handing work to a waiting thread costs far less
-    than starting one per transfer, which sat on every hand-over's critical path.
+    than starting one per transfer, which sat on every hand-over's critical path. Lanes live as long as their
+    pipeline (``close`` ends them; the pipeline arranges it for when it is collected or the process exits),
+    so a step starts none.
 
     When a step fails, ranks stop with sends and receives posted that their peers will never match, and the
-    lanes waiting on them would never end. Every send and receive goes through ``isend`` / ``irecv``, which
-    record it, so ``drain`` can answer each one left without its other half. Lanes end with the step (``join``
-    or ``drain``): a daemon thread still returning into Python while the interpreter shuts down aborts the
-    process."""
+    lanes waiting on them would never finish. Every send and receive goes through ``isend`` / ``irecv``, which
+    record it, so ``drain`` can answer each one left without its other half."""
 
-    def __init__(self, notify):
-        self.notify = notify
+    def __init__(self):
         self.lanes: dict = {}  # channel -> (thread, its queue of (fn, box))
         self._lock = threading.Lock()
-        self._posted: list[tuple] = []  # (kind, src, dst, tag, numel, dtype) of every isend / irecv
+        self._notify = None
+        self._posted: list[tuple] = []  # (kind, src, dst, tag, numel, dtype) of every isend / irecv this step
         self._cancelled = False
+
+    def begin_step(self, notify) -> None:
+        """Start a step whose actor loop ``notify()`` wakes when a transfer ends."""
+        self._notify, self._posted, self._cancelled = notify, [], False
 
     def start(self, channel, fn):
         """Run ``fn`` on ``channel``'s lane; returns a poll: None until it ended, then its result (re-raising
@@ -124,7 +128,7 @@ class Lanes:
             except BaseException as err:  # noqa: BLE001 - handed to the loop
                 box["error"] = err
             box["done"] = True
-            self.notify()
+            self._notify()
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int):
         self._record("send", dist.get_rank(), dst, tag, tensor)
@@ -147,19 +151,31 @@ class Lanes:
         if self._cancelled:
             raise Cancelled
 
-    def join(self) -> None:
-        """Wait for every lane to finish its work and end."""
-        for thread, work in self.lanes.values():
+    def settle(self) -> None:
+        """Wait until every lane has finished the work handed to it."""
+        marks = []
+        for _, work in self.lanes.values():
+            done = threading.Event()
+            work.put((done.set, {}))
+            marks.append(done)
+        for done in marks:
+            done.wait()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """End every lane after the work handed to it. A lane still waiting after ``timeout`` seconds (a step
+        interrupted by something other than an exception in a stage, which ``drain`` would have answered) is
+        left behind rather than hang the process at exit."""
+        for _, work in self.lanes.values():
             work.put(None)
         for thread, _ in self.lanes.values():
-            thread.join()
+            thread.join(timeout)
         self.lanes.clear()
 
     def drain(self) -> None:
         """After a failed step, on every rank (a collective of the default group): answer every send or receive
         whose peer never posted the other half (a receive gets zeros, a send is received into scratch space),
-        so that every lane's wait returns, then end the lanes. Tags are unique within a step, so a posted half
-        and its record on the peer's side identify each other."""
+        so that every lane's wait returns, then let the lanes settle. Tags are unique within a step, so a
+        posted half and its record on the peer's side identify each other."""
         with self._lock:
             self._cancelled = True
             mine = list(self._posted)
@@ -175,7 +191,7 @@ class Lanes:
                     answers.append(dist.irecv(torch.empty(numel, dtype=dtype), src, tag=tag))
         for work in answers:
             work.wait()
-        self.join()
+        self.settle()
 
 
 class Channel:

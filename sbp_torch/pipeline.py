@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import traceback
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -155,6 +156,8 @@ class Pipeline:
         self._id, self._steps = next(_pipeline_ids), 0
         self.events, self.peak_activations = [], {}
         self._channels: dict = {}
+        self._lanes = transfer.Lanes()
+        weakref.finalize(self, self._lanes.close)  # also at exit, before the interpreter shuts down
 
     def quota(self, stage: int) -> int:
         """Forward register slots of ``stage``: the most micro-batches it keeps activations for."""
@@ -177,7 +180,8 @@ class Pipeline:
         runtime = _actor_runtime.core.Runtime(check=_store_watch(store, key))
         self.tied.begin_step()
         losses = []
-        lanes = transfer.Lanes(runtime.notify)
+        lanes = self._lanes
+        lanes.begin_step(runtime.notify)
         # priority: every transfer before any compute (a transfer only hands work to its lane, and may unblock
         # another rank), then the later stages' compute first, so that earlier micro-batches finish first
         built = {stage: self._build(stage, lanes, xs, ys, weights, losses) for stage in reversed(self.local_stages)}
@@ -191,7 +195,7 @@ class Pipeline:
         failure = None
         try:
             runtime.run()
-            lanes.join()
+            lanes.settle()
         except _Stopped:
             failure = "stopped"
         except Exception as err:  # noqa: BLE001 - any stage error stops every rank
