@@ -1,13 +1,14 @@
 """Install sbp_torch.
 
-The package is Python, plus two optional extensions: the actor runtime's C++ core (``csrc/actors.cpp``, plain
+The package is Python, plus optional extensions: the actor runtime's C++ core (``csrc/actors.cpp``, plain
 pybind11 from torch's headers, built wherever a C++ compiler is; without it the Python runtime is used) and
-the fused CUDA kernels, built only where torch (with CUDA) and nvcc are already installed. torch is a runtime
-requirement only: a build environment without torch never pulls a (multi-GB) CUDA build in, and an installed
-torch >= 2.11 is kept.
+the CUDA extensions (the fused kernels and the pipeline's stream scheduler), built only where torch (with CUDA)
+and nvcc are already installed. torch is a runtime requirement only: a build environment without torch never
+pulls a (multi-GB) CUDA build in, and an installed torch >= 2.11 is kept.
 """
 
 import os
+import runpy
 import shutil
 
 from setuptools import Extension, find_packages, setup
@@ -33,9 +34,10 @@ def _extensions() -> dict:
 
 
 def _cuda_extensions() -> dict:
-    """The fused CUDA kernels (csrc/ + cuda/) as ``sbp_torch._kernels_cuda``, only where an installed torch
-    has CUDA and nvcc is on the PATH; otherwise nothing (the ops run their PyTorch reference, and
-    ``sbp_torch.kernels.enable_cuda_kernels`` can build them just in time later)."""
+    """The CUDA extensions of ``sbp_torch/_cuda_extensions.py``'s ``SOURCES`` (the fused kernels and the
+    pipeline's stream scheduler), only where an installed torch has CUDA and nvcc is on the PATH; otherwise
+    nothing (kernels run their PyTorch reference, pipelines the Python stream scheduler, and both can be built
+    just in time later)."""
     if not shutil.which("nvcc") or os.environ.get("SBP_TORCH_NO_CUDA_BUILD"):
         return {}
     try:
@@ -45,9 +47,10 @@ def _cuda_extensions() -> dict:
         return {}
     if torch.version.cuda is None:
         return {}
-    sources = ["csrc/kernels.cpp"] + sorted(f"cuda/{f}" for f in os.listdir("cuda") if f.endswith(".cu"))
-    ext = CUDAExtension("sbp_torch._kernels_cuda", sources, extra_compile_args={"nvcc": ["-O3", "-std=c++17"]})
-    return {"ext_modules": [ext], "cmdclass": {"build_ext": BuildExtension}}
+    sources = runpy.run_path("sbp_torch/_cuda_extensions.py")["SOURCES"]
+    flags = {"cxx": ["-O2", "-std=c++17"], "nvcc": ["-O3", "-std=c++17"]}
+    exts = [CUDAExtension(f"sbp_torch.{name}", files, extra_compile_args=flags) for name, files in sources.items()]
+    return {"ext_modules": exts, "cmdclass": {"build_ext": BuildExtension}}
 
 
 setup(

@@ -13,6 +13,9 @@ The destination part is built from the pieces, which are those of the
 cross-placement plan (``_boxing.cross_placement``), so each destination rank receives only the box it needs.
 A partial source is reduced inside its stage (``to_global`` on the source placement, run by the caller, which
 every rank of the stage reaches in the same order) before it is sent, so pieces never overlap.
+
+On CUDA the pieces leave and enter the device through pinned host memory, on each channel's own copy stream,
+ordered against compute by events (``_cuda_streams.Staging``); the wire is the same.
 """
 
 from __future__ import annotations
@@ -87,9 +90,13 @@ class Lanes:
 
     When a step fails, ranks stop with sends and receives posted that their peers will never match, and the
     lanes waiting on them would never finish. Every send and receive goes through ``isend`` / ``irecv``, which
-    record it, so ``drain`` can answer each one left without its other half."""
+    record it, so ``drain`` can answer each one left without its other half.
 
-    def __init__(self):
+    ``staging`` (a ``_cuda_streams.Staging``, for CUDA stages) moves pieces between the device and the pinned
+    host memory that the wire carries."""
+
+    def __init__(self, staging=None):
+        self.staging = staging
         self.lanes: dict = {}  # channel -> (thread, its queue of (fn, box))
         self._lock = threading.Lock()
         self._notify = None
@@ -99,6 +106,8 @@ class Lanes:
     def begin_step(self, notify) -> None:
         """Start a step whose actor loop ``notify()`` wakes when a transfer ends."""
         self._notify, self._posted, self._cancelled = notify, [], False
+        if self.staging is not None:
+            self.staging.begin_step()
 
     def start(self, channel, fn):
         """Run ``fn`` on ``channel``'s lane; returns a poll: None until it ended, then its result (re-raising
@@ -152,7 +161,7 @@ class Lanes:
             raise Cancelled
 
     def settle(self) -> None:
-        """Wait until every lane has finished the work handed to it."""
+        """Wait until every lane has finished the work handed to it (and, on CUDA, its copies have run)."""
         marks = []
         for _, work in self.lanes.values():
             done = threading.Event()
@@ -160,6 +169,8 @@ class Lanes:
             marks.append(done)
         for done in marks:
             done.wait()
+        if self.staging is not None:
+            self.staging.reap(wait=True)
 
     def close(self, timeout: float = 5.0) -> None:
         """End every lane after the work handed to it. A lane still waiting after ``timeout`` seconds (a step
@@ -230,11 +241,19 @@ def send(x: GlobalTensor, dst_placement, tag: int, lanes: Lanes, channel: Channe
     if first + len(plan.pieces) > tag + TAGS_PER_TRANSFER:
         raise ValueError(f"a tensor of {meta} travels in too many pieces ({len(plan.pieces)}) between stages")
     origin = box_of(meta, meta.placement.coord_of(me))[0]
-    outgoing += [(cut(x._local, origin, p), p.dst, first + i) for i, p in enumerate(plan.pieces) if p.src == me]
+    data = [(cut(x._local, origin, p), p.dst, first + i) for i, p in enumerate(plan.pieces) if p.src == me]
+    staging = lanes.staging if x._local.is_cuda else None
+    if staging is not None:  # contiguous on the compute stream, then a ticket their copies wait for
+        data = [(t.contiguous(), r, t_) for t, r, t_ in data]
+        after = staging.mark()
 
     def post_and_wait():
+        pieces = data
+        if staging is not None:  # first: it releases the ticket whatever happens next
+            hosts = staging.to_host(channel, [t for t, _, _ in data], after)
+            pieces = [(h, r, t_) for h, (_, r, t_) in zip(hosts, data)]
         # posted here, not by the actor loop: gloo writes what the socket takes at once in the posting thread
-        works = [lanes.isend(t.contiguous(), r, t_) for t, r, t_ in outgoing]
+        works = [lanes.isend(t.contiguous(), r, t_) for t, r, t_ in outgoing + pieces]
         for work in works:
             lanes.wait(work)
         return True
@@ -257,7 +276,7 @@ def _post_receives(src: GlobalMeta, dst_placement, first_tag: int, lanes: Lanes)
     dst = _destination(src, dst_placement)
     pieces = _plan(src, dst).pieces
     coord = dst_placement.coord_of(me)
-    out = torch.empty(dst.local_shape(coord), dtype=src.dtype)
+    out = torch.empty(dst.local_shape(coord), dtype=src.dtype, pin_memory=lanes.staging is not None)
     origin = box_of(dst, coord)[0]
     posted = []
     for i, piece in enumerate(pieces):
@@ -303,10 +322,22 @@ def recv(src_placement, dst_placement, tag: int, requires_grad: bool, lanes: Lan
         finish, _ = _post_receives(src, dst_placement, first, lanes)
         return finish()
 
-    done = lanes.start(channel, receive)
+    def receive_to_device():
+        host, meta = receive()
+        return (meta,) + lanes.staging.to_device(channel, host)
+
+    staged = lanes.staging is not None
+    done = lanes.start(channel, receive_to_device if staged else receive)
 
     def poll():
         result = done()
-        return None if result is None else GlobalTensor(result[0], result[1], requires_grad=requires_grad)
+        if result is None:
+            return None
+        if staged:
+            meta, part, ticket = result
+            lanes.staging.arrive(ticket)  # compute waits for the copy on the device, not here
+        else:
+            part, meta = result
+        return GlobalTensor(part, meta, requires_grad=requires_grad)
 
     return poll

@@ -103,6 +103,23 @@ def _check_placements(placements: list) -> None:
                          f"stage placements must cover every rank")
 
 
+def _staging(placement):
+    """The device side of a pipeline on CUDA (``_cuda_streams.Staging``), None on CPU. Stage transfers travel as
+    pinned host memory over the default group's CPU backend, which a CUDA pipeline therefore needs."""
+    if placement.type != "cuda":
+        return None
+    try:
+        dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    except RuntimeError as err:
+        raise ValueError(
+            "a pipeline on CUDA sends its stage transfers through pinned host memory over the process group's "
+            "CPU backend, and the default group has none: initialise it with one, e.g. "
+            "init_process_group('cpu:gloo,cuda:nccl')") from err
+    from ._cuda_streams import Staging
+
+    return Staging(placement.device())
+
+
 def _part(full: torch.Tensor, meta: GlobalMeta) -> GlobalTensor:
     """The global tensor of ``meta`` whose logical value is ``full`` (the same on every rank)."""
     coord = meta.placement.coord_of(dist.get_rank())
@@ -156,7 +173,7 @@ class Pipeline:
         self._id, self._steps = next(_pipeline_ids), 0
         self.events, self.peak_activations = [], {}
         self._channels: dict = {}
-        self._lanes = transfer.Lanes()
+        self._lanes = transfer.Lanes(_staging(self.placements[0]))
         weakref.finalize(self, self._lanes.close)  # also at exit, before the interpreter shuts down
 
     def quota(self, stage: int) -> int:
@@ -172,6 +189,11 @@ class Pipeline:
             raise ValueError(f"a batch of {n} samples cannot be split into {m} micro-batches (each needs one)")
         if targets.shape[0] != n:
             raise ValueError(f"inputs have {n} samples but targets {targets.shape[0]}")
+        # the batch goes to the device once, by the ranks that cut micro-batches from it
+        if 0 in self.local_stages:
+            inputs = inputs.to(self.placements[0].device())
+        if len(self.stages) - 1 in self.local_stages:
+            targets = targets.to(self.placements[-1].device())
         xs, ys = torch.tensor_split(inputs, m), torch.tensor_split(targets, m)
         weights = [x.shape[0] / n for x in xs]
         store = dist.distributed_c10d._get_default_store()
@@ -206,7 +228,7 @@ class Pipeline:
         self.events = runtime.events
         self.peak_activations = {stage: forwards[stage].peak for stage in self.local_stages}
         report = dist.get_rank() == self.placements[-1].flat_ranks[0]
-        flag = torch.tensor([sum(losses) if report and failure is None else 0.0, float(failure is not None)],
+        flag = torch.tensor([float(sum(losses)) if report and failure is None else 0.0, float(failure is not None)],
                             dtype=torch.float64)
         dist.all_reduce(flag)
         if flag[1] > 0:
@@ -273,7 +295,7 @@ class Pipeline:
                 t = _part(ys[i], GlobalMeta(tuple(ys[i].shape), ys[i].dtype, here,
                                             normalize_sbp(sbp, here, ys[i].dim(), ys[i].dtype)))
                 loss = self.loss_fn(y, t)
-                losses.append(weights[i] * float(loss.detach().full_tensor()))
+                losses.append(loss.detach().full_tensor() * weights[i])  # read at the step's end: no sync here
                 return ((x, loss * weights[i]),)
             return (x, y), _sendable(y)
 

@@ -28,3 +28,18 @@ def test_every_kernel_compiles(tmp_path):
         results = list(pool.map(lambda s: _compile(s, tmp_path), sources))
     failed = [f"{s.name}:\n{err}" for s, rc, err in results if rc != 0]
     assert not failed, "nvcc failed:\n" + "\n".join(failed)
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+def test_the_stream_scheduler_glue_compiles(tmp_path):
+    """csrc/streams.cpp needs only pybind11 (torch ships it), Python's and CUDA's headers: CI compiles it (nvcc
+    hands a .cpp file to the host compiler with CUDA's include path)."""
+    import sysconfig
+
+    import torch
+
+    includes = [Path(torch.__file__).parent / "include", sysconfig.get_paths()["include"]]
+    cmd = [NVCC, "-std=c++17", "-c", "-DTORCH_EXTENSION_NAME=_streams_cuda", *(f"-I{i}" for i in includes),
+           str(CUDA_DIR.parent / "csrc" / "streams.cpp"), "-o", str(tmp_path / "streams.o")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr

@@ -56,23 +56,24 @@ LAYOUTS = {
 }
 
 
-def _pipelined(world: int, layout: str, schedule: str, micro_batches: int, rows: int, core: str = "default"):
+def _pipelined(world: int, layout: str, schedule: str, micro_batches: int, rows: int, core: str = "default",
+               device: str = "cpu"):
     default = _actor_runtime.implementation()
     _actor_runtime.use(default if core == "default" else core)
     try:
-        return _run_pipelined(world, layout, schedule, micro_batches, rows)
+        return _run_pipelined(world, layout, schedule, micro_batches, rows, device)
     finally:
         _actor_runtime.use(default)
 
 
-def _run_pipelined(world: int, layout: str, schedule: str, micro_batches: int, rows: int):
+def _run_pipelined(world: int, layout: str, schedule: str, micro_batches: int, rows: int, device: str = "cpu"):
     ranks, plans, input_sbp, per_stage = LAYOUTS[layout]
     ranks = _stage_ranks(ranks, world)
     layers = _layers(len(ranks) * per_stage)
     stages = []
     for s, group in enumerate(ranks):
         stage = nn.Sequential(*(m for layer in layers[s * per_stage:(s + 1) * per_stage] for m in layer))
-        stages.append(stage.to_global(st.placement("cpu", group), plans[s] if plans else None))
+        stages.append(stage.to_global(st.placement(device, group), plans[s] if plans else None))
     pipe = Pipeline(stages, nn.functional.mse_loss, micro_batches, schedule, input_sbp=input_sbp,
                     target_sbp=input_sbp)
     params = [p for stage in stages for p in stage.parameters()]
@@ -85,7 +86,7 @@ def _run_pipelined(world: int, layout: str, schedule: str, micro_batches: int, r
         for stage, peak in pipe.peak_activations.items():
             peaks[stage] = max(peak, peaks.get(stage, 0))
     me = torch.distributed.get_rank()
-    full = {i: p.detach().full_tensor() for i, p in enumerate(params) if me in p.placement}
+    full = {i: p.detach().full_tensor().cpu() for i, p in enumerate(params) if me in p.placement}
     return losses, full, len(stages), peaks
 
 
@@ -338,10 +339,10 @@ class _Boom(nn.Module):
 FAILURES = [(rank, where) for rank in range(3) for where in ["forward", "backward"]]
 
 
-def _stage_errors() -> list:
-    """For each failure: the error every rank raised, then whether a step on the same pipeline afterwards
-    matched one process (loss and gradients). That step meets no receive or send left posted by the failure:
-    those would take its messages, or make it wait."""
+def _stage_errors(device: str = "cpu") -> list:
+    """For each failure: the error every rank raised, whether a step on the same pipeline afterwards matched
+    one process (loss and gradients), and (CUDA) the stream scheduler's tickets still held after it. That step
+    meets no receive or send left posted by the failure: those would take its messages, or make it wait."""
     (x0, y0), (x1, y1) = _batches(8)[:2]
     reference = nn.Sequential(*_layers(3))
     expected = nn.functional.mse_loss(reference(x1), y1)
@@ -349,7 +350,7 @@ def _stage_errors() -> list:
     out = []
     for rank, where in FAILURES:
         layers = _layers(3)
-        stages = [(_Boom(layer, rank, where) if s == rank else layer).to_global(st.placement("cpu", [s]))
+        stages = [(_Boom(layer, rank, where) if s == rank else layer).to_global(st.placement(device, [s]))
                   for s, layer in enumerate(layers)]
         pipe = Pipeline(stages, nn.functional.mse_loss, 4, "1f1b")
         try:
@@ -361,15 +362,22 @@ def _stage_errors() -> list:
         for p in stages[here].parameters():
             p.grad = None
         loss = pipe.step(x1, y1)
-        mine = [p.grad.full_tensor() for p in stages[here].parameters()]
+        mine = [p.grad.full_tensor().cpu() for p in stages[here].parameters()]
         theirs = [p.grad for p in reference[here].parameters()]
+        staging = pipe._lanes.staging
         out.append((error, abs(loss - expected.item()) < 1e-6 and all(torch.allclose(a, b, atol=1e-6)
-                                                                      for a, b in zip(mine, theirs))))
+                                                                      for a, b in zip(mine, theirs)),
+                    staging.scheduler.outstanding if staging is not None else 0))
     return out
 
 
 def test_stage_error_stops_every_rank_and_the_pipeline_goes_on():
     for results in run_on_world(3, _stage_errors, _timeout=60):
-        for (rank, where), (error, next_step_matches) in zip(FAILURES, results):
-            assert f"stage {rank} on rank {rank} raised ValueError: boom in a stage" in error, (rank, where, error)
-            assert next_step_matches, (rank, where)
+        check_stage_errors(results)
+
+
+def check_stage_errors(results) -> None:
+    for (rank, where), (error, next_step_matches, tickets_held) in zip(FAILURES, results):
+        assert f"stage {rank} on rank {rank} raised ValueError: boom in a stage" in error, (rank, where, error)
+        assert next_step_matches, (rank, where)
+        assert tickets_held == 0, (rank, where)
