@@ -5,6 +5,8 @@
 #include <cuda_runtime.h>
 #include <torch/extension.h>
 
+#include <optional>  // optional tensor arguments: Python passes None
+
 #include "../cuda/entry_points.h"
 
 namespace {
@@ -22,7 +24,8 @@ void check(cudaError_t err) { TORCH_CHECK(err == cudaSuccess, "sbp_torch kernel 
 cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream(); }
 int64_t rows_of(const at::Tensor& x) { return x.dim() ? x.numel() / x.size(-1) : 1; }
 
-at::Tensor bias_gelu(at::Tensor x, at::Tensor bias, at::Tensor grad, bool tanh_approx) {
+at::Tensor bias_gelu(at::Tensor x, at::Tensor bias, std::optional<at::Tensor> grad_or_none, bool tanh_approx) {
+  at::Tensor grad = grad_or_none.value_or(at::Tensor());
   x = x.contiguous(), bias = bias.contiguous();
   const bool backward = grad.defined();
   if (backward) grad = grad.contiguous();
@@ -33,7 +36,9 @@ at::Tensor bias_gelu(at::Tensor x, at::Tensor bias, at::Tensor grad, bool tanh_a
 }
 
 std::vector<at::Tensor> bias_dropout_add(at::Tensor x, at::Tensor bias, at::Tensor residual, double p,
-                                         at::Tensor indices, int64_t first_index, int64_t seed, int64_t offset) {
+                                         std::optional<at::Tensor> indices_or_none, int64_t first_index, int64_t seed,
+                                         int64_t offset) {
+  at::Tensor indices = indices_or_none.value_or(at::Tensor());
   x = x.contiguous(), bias = bias.contiguous(), residual = residual.contiguous();
   auto out = at::empty_like(x);
   auto mask = at::empty_like(x, x.options().dtype(at::kBool));
@@ -44,7 +49,8 @@ std::vector<at::Tensor> bias_dropout_add(at::Tensor x, at::Tensor bias, at::Tens
   return {out, mask};
 }
 
-at::Tensor scale_mask_softmax(at::Tensor x, at::Tensor mask, double scale, int64_t queries) {
+at::Tensor scale_mask_softmax(at::Tensor x, std::optional<at::Tensor> mask_or_none, double scale, int64_t queries) {
+  at::Tensor mask = mask_or_none.value_or(at::Tensor());
   x = x.contiguous();
   const uint8_t* m = nullptr;
   int64_t mask_rows = 1;
@@ -67,7 +73,8 @@ at::Tensor scale_mask_softmax_backward(at::Tensor grad, at::Tensor y, double sca
   return dx;
 }
 
-std::vector<at::Tensor> norm_forward(at::Tensor x, at::Tensor w, at::Tensor b, double eps) {
+std::vector<at::Tensor> norm_forward(at::Tensor x, at::Tensor w, std::optional<at::Tensor> b_or_none, double eps) {
+  at::Tensor b = b_or_none.value_or(at::Tensor());
   x = x.contiguous(), w = w.contiguous();
   const bool centred = b.defined();
   if (centred) b = b.contiguous();
@@ -82,7 +89,9 @@ std::vector<at::Tensor> norm_forward(at::Tensor x, at::Tensor w, at::Tensor b, d
 }
 
 // (dx, dw, db): the per-row terms of dw, db are summed over rows here (float32, then the parameter dtype).
-std::vector<at::Tensor> norm_backward(at::Tensor grad, at::Tensor x, at::Tensor w, at::Tensor mean, at::Tensor rstd) {
+std::vector<at::Tensor> norm_backward(at::Tensor grad, at::Tensor x, at::Tensor w, std::optional<at::Tensor> mean_or_none,
+                                      at::Tensor rstd) {
+  at::Tensor mean = mean_or_none.value_or(at::Tensor());
   grad = grad.contiguous(), x = x.contiguous(), w = w.contiguous();
   const bool centred = mean.defined();
   auto dx = at::empty_like(x);

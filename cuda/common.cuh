@@ -42,9 +42,13 @@ __device__ float block_reduce(float v, float* scratch) {
   if (lane == 0) scratch[warp] = v;
   __syncthreads();
   const float identity = kMax ? -INFINITY : 0.0f;
-  v = threadIdx.x < blockDim.x / 32 ? scratch[threadIdx.x] : identity;
-  v = kMax ? warp_max(v) : warp_sum(v);
-  return v;
+  if (warp == 0) {
+    v = lane < blockDim.x / 32 ? scratch[lane] : identity;
+    v = kMax ? warp_max(v) : warp_sum(v);
+    if (lane == 0) scratch[0] = v;
+  }
+  __syncthreads();  // every warp reads the total: warp 0 alone had it (found on an H100, rows over 32 long)
+  return scratch[0];
 }
 
 // Calls f.template operator()<T>() for the dtype tag; unknown tags return cudaErrorInvalidValue.

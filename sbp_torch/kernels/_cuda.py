@@ -5,36 +5,24 @@ torch and nvcc exist) or compiles it just in time with ``torch.utils.cpp_extensi
 registers the forward kernels for the ``cuda`` device. Without it, CUDA tensors run the pure-PyTorch
 reference. Float64 stays on the reference (the kernels take fp32/fp16/bf16).
 
-Status: compiled with nvcc (tests/test_cuda_build.py); never run on a GPU in this project yet.
+Status: compiled with nvcc in CI (tests/test_cuda_build.py); checked against float64 on an H100
+(tests/test_kernels_gpu.py, run by benchmarks/kernels/run_gpu.sh).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
+from .. import _cuda_extensions
 from ._bias_dropout_add import draws
 from ._cross_entropy import reduce_loss, row_weights
 
-ROOT = Path(__file__).resolve().parents[2]
 FAST = (torch.float32, torch.float16, torch.bfloat16)
-_extension = None
 
 
 def load_extension(verbose: bool = False):
-    """The compiled extension: prebuilt if installed, else built now from the source tree (needs nvcc)."""
-    global _extension
-    if _extension is None:
-        try:
-            from .. import _kernels_cuda as ext  # type: ignore[attr-defined]
-        except ImportError:
-            from torch.utils.cpp_extension import load
-
-            sources = [str(ROOT / "csrc" / "kernels.cpp")] + sorted(str(p) for p in (ROOT / "cuda").glob("*.cu"))
-            ext = load("sbp_torch_kernels_cuda", sources, extra_cuda_cflags=["-O3", "-std=c++17"], verbose=verbose)
-        _extension = ext
-    return _extension
+    """The compiled kernels: prebuilt if installed, else built now from the source tree (needs nvcc)."""
+    return _cuda_extensions.load("_kernels_cuda", verbose)
 
 
 def enable_cuda_kernels(verbose: bool = False) -> None:
