@@ -178,7 +178,8 @@ def stage_order(schedule: str, p: int, s: int, m: int) -> list[tuple[str, int]]:
             + [("B", i) for i in range(m - q, m)])
 
 
-def ideal_step(schedule: str, p: int, m: int, transfer_s: float) -> float:
+def ideal_step(schedule: str, p: int, m: int, transfer_s: float, forward_s: float = FORWARD_S,
+               backward_s: float = BACKWARD_S) -> float:
     """The step time of ``schedule`` with no overhead at all: each stage runs its order (``stage_order``) as
     soon as its inputs are there, and every hand-over between stages takes ``transfer_s``."""
     end: dict = {}
@@ -192,7 +193,7 @@ def ideal_step(schedule: str, p: int, m: int, transfer_s: float) -> float:
                 if dep is not None and dep not in end:
                     break
                 start = max(free[s], end[dep] + transfer_s if dep is not None else 0.0)
-                free[s] = end[(s, kind, i)] = start + (FORWARD_S if kind == "F" else BACKWARD_S)
+                free[s] = end[(s, kind, i)] = start + (forward_s if kind == "F" else backward_s)
                 done[s] += 1
     return max(free)
 
