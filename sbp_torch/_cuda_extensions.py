@@ -23,8 +23,11 @@ _loaded: dict = {}
 
 
 def can_build() -> bool:
-    """Whether a just-in-time build can run here: nvcc, ninja and the source tree."""
-    return shutil.which("nvcc") is not None and shutil.which("ninja") is not None and (ROOT / "cuda").is_dir()
+    """Whether a just-in-time build can run here: a CUDA build of torch, nvcc, ninja and the source tree."""
+    import torch
+
+    tools = shutil.which("nvcc") is not None and shutil.which("ninja") is not None
+    return torch.version.cuda is not None and tools and (ROOT / "cuda").is_dir()
 
 
 def load(module: str, verbose: bool = False):
@@ -33,6 +36,9 @@ def load(module: str, verbose: bool = False):
         try:
             ext = importlib.import_module(f"sbp_torch.{module}")
         except ImportError:
+            if not can_build():
+                raise ImportError(f"sbp_torch.{module} was not built at install time and cannot be built here: "
+                                  f"that needs a CUDA build of torch, nvcc and ninja, and the source tree") from None
             from torch.utils.cpp_extension import load as build
 
             ext = build(f"sbp_torch{module}", [str(ROOT / s) for s in SOURCES[module]], verbose=verbose, **FLAGS)

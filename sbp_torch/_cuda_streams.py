@@ -18,8 +18,10 @@ had, else ``PythonStreamScheduler``, its twin on ``torch.cuda`` streams and even
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
+import warnings
 from collections import deque
 
 import torch
@@ -76,13 +78,14 @@ class PythonStreamScheduler:
         return ticket
 
     def stage(self, lane: int, after: int, copies, to_device: bool) -> int:
+        # ``to_device`` is for the C++ scheduler's raw copies; here the tensors' devices say the direction
+        if any(dst.nbytes != src.nbytes for dst, src in copies):
+            raise ValueError("sbp_torch stream scheduler: a copy's destination and source differ in size")
         stream = self._streams[lane]
         if after >= 0:
             stream.wait_event(self._event(after))
         with torch.cuda.stream(stream):
             for dst, src in copies:
-                if dst.nbytes != src.nbytes:
-                    raise ValueError("sbp_torch stream scheduler: a copy's destination and source differ in size")
                 dst.copy_(src, non_blocking=True)
         ticket = self._acquire()
         self._event(ticket).record(stream)
@@ -104,13 +107,18 @@ class PythonStreamScheduler:
             self._free.append(ticket)
 
 
+@functools.cache
 def implementations() -> dict:
-    """The stream schedulers that can run here, by name: "Python" always, "C++" where it is built or can be."""
+    """The stream schedulers that can run here, by name: "Python" always, "C++" where it is built or can be
+    (looked for once: a build just in time takes seconds)."""
     found = {"Python": PythonStreamScheduler}
     try:
         found["C++"] = _cuda_extensions.load("_streams_cuda").StreamScheduler
-    except Exception:  # noqa: BLE001 - not built and no toolchain to build it: the twin serves
+    except ImportError:  # not built, and no toolchain to build it: the twin serves
         pass
+    except Exception as err:  # noqa: BLE001 - a build that failed: the twin serves, but say why
+        warnings.warn(f"sbp_torch: the C++ stream scheduler could not be built ({type(err).__name__}: {err}); "
+                      f"pipelines on CUDA use the Python one", stacklevel=2)
     return found
 
 

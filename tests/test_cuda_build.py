@@ -43,3 +43,20 @@ def test_the_stream_scheduler_glue_compiles(tmp_path):
            str(CUDA_DIR.parent / "csrc" / "streams.cpp"), "-o", str(tmp_path / "streams.o")]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
+
+
+def test_without_a_cuda_torch_the_python_stream_scheduler_serves():
+    """Where the C++ stream scheduler is neither installed nor buildable, CUDA pipelines fall back to its
+    Python twin, and asking for the C++ one names what is available."""
+    import torch
+
+    from sbp_torch import _cuda_extensions, _cuda_streams
+
+    if torch.version.cuda is not None:
+        pytest.skip("a CUDA torch: the C++ scheduler may be built here")
+    assert not _cuda_extensions.can_build()
+    with pytest.raises(ImportError, match="needs a CUDA build of torch"):
+        _cuda_extensions.load("_streams_cuda")
+    assert _cuda_streams.scheduler_class() is _cuda_streams.PythonStreamScheduler
+    with pytest.raises(ValueError, match=r"'C\+\+' is not available here; available: \['Python'\]"):
+        _cuda_streams.scheduler_class("C++")
