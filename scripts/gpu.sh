@@ -23,6 +23,10 @@ for part in $parts; do
   case $part in
     pipeline)
       $PY -m pytest -q tests/test_pipeline_cuda.py 2>&1 | tee "$OUT/pipeline_tests.txt" || status=1
+      if command -v compute-sanitizer >/dev/null; then  # the stream scheduler's copies and orders, in one process
+        compute-sanitizer --tool memcheck $PY -m pytest -q tests/test_pipeline_cuda.py \
+          -k "staged_copy or arriving or refused" 2>&1 | tail -3 | tee "$OUT/pipeline_sanitizer.txt" || status=1
+      fi
       $PY -m benchmarks.run --suite pipeline_cuda 2>&1 | tail -3 || status=1
       # two ranks share one GPU: measured again with MPS, whose clients run kernels side by side as on two GPUs
       if command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d; then
