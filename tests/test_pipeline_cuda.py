@@ -50,7 +50,7 @@ def test_compute_ordered_after_an_arriving_copy_sees_its_data(name):
     lane = sched.add_lane()
     compute = torch.cuda.current_stream()
     n = 1 << 26  # 256 MB: the copy takes milliseconds, and compute would start at once without the order
-    host = torch.arange(n, dtype=torch.float32, pin_memory=True) % 3
+    host = (torch.arange(n, dtype=torch.float32) % 3).pin_memory()  # pinned: the copy is truly asynchronous
     dev = torch.full((n,), float("nan"), device="cuda")
     torch.cuda.synchronize()
     ticket = sched.stage(lane, -1, [(dev, host)], True)
