@@ -153,6 +153,54 @@ def _link_time(seconds: float):
         transfer.send = send
 
 
+def _wall_seconds(step, repeats: int) -> float:
+    """Median over ``repeats`` of one step's wall time, from a barrier to the slowest rank's return."""
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        took = torch.tensor([time.perf_counter() - start])
+        dist.all_reduce(took, op=dist.ReduceOp.MAX)
+        times.append(float(took))
+    return statistics.median(times)
+
+
+def _torch_pipelining_step(world: int, m: int, schedule: str, batch: torch.Tensor, repeats: int) -> float:
+    """Wall time of the same stages, one per rank, under ``torch.distributed.pipelining`` (PyTorch's own
+    pipeline API) with its GPipe or 1F1B schedule."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    rank = dist.get_rank()
+    stage = PipelineStage(SleepStage(), rank, world, torch.device("cpu"))
+    runner = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule](stage, m, loss_fn=_loss)
+
+    def step():
+        if rank == 0:
+            runner.step(batch)
+        elif rank == world - 1:
+            runner.step(target=batch, losses=[])
+        else:
+            runner.step()
+
+    step()  # warm-up: the stages learn their shapes
+    return _wall_seconds(step, repeats)
+
+
+def _side_by_side_rows(world: int, m: int, schedule: str, numel: int, repeats: int) -> list[dict]:
+    """Wall times of a step, sbp_torch beside torch.distributed.pipelining, with tiny and loopback payloads."""
+    pipe, rows = _pipeline(world, m, schedule), []
+    for transfer, cols in [("tiny", 4), ("loopback payload", numel)]:
+        batch = torch.ones(m, cols)
+        pipe.step(batch, batch)
+        ours = _wall_seconds(lambda: pipe.step(batch, batch), repeats)
+        theirs = _torch_pipelining_step(world, m, schedule, batch, repeats)
+        rows.append({"kind": "side by side", "p": world, "m": m, "schedule": schedule, "transfer": transfer,
+                     "numel": cols, "sbp_torch_s": ours, "torch_pipelining_s": theirs,
+                     "ideal_s": ideal_step(schedule, world, m, 0.0)})
+    return rows
+
+
 def _overlap_rows(world: int, m: int, schedule: str, numel: int, transfer_s: float, repeats: int) -> list[dict]:
     """Step times with fast transfers, with link-time transfers and with loopback payloads."""
     pipe = _pipeline(world, m, schedule)
@@ -227,6 +275,7 @@ def measure(world: int, quick: bool) -> list[dict]:
     for schedule in ["gpipe", "1f1b"]:
         for m in [8] if quick else [8, 16]:
             rows += _overlap_rows(world, m, schedule, numel, transfer_s, repeats)
+            rows += _side_by_side_rows(world, m, schedule, numel, repeats)
     return rows
 
 
@@ -243,6 +292,13 @@ def report(rows: list[dict]) -> str:
           f"{r['slow_s'] * 1e3:.1f} ms", f"{r['increase'] * 100:+.1f}%",
           f"{ideal_step(r['schedule'], r['p'], r['m'], r['share'] * FORWARD_S) / ideal_step(r['schedule'], r['p'], r['m'], 0) * 100 - 100:+.1f}%"]
          for r in rows if r["kind"] == "overlap"])
+    side = markdown_table(
+        ["p", "m", "schedule", "activations", "sbp_torch", "torch.distributed.pipelining", "sbp_torch / torch",
+         "ideal schedule"],
+        [[r["p"], r["m"], r["schedule"], r["transfer"], f"{r['sbp_torch_s'] * 1e3:.1f} ms",
+          f"{r['torch_pipelining_s'] * 1e3:.1f} ms", f"{r['sbp_torch_s'] / r['torch_pipelining_s']:.3f}",
+          f"{r['ideal_s'] * 1e3:.0f} ms"]
+         for r in rows if r["kind"] == "side by side"])
     worst = max(abs(r["bubble"] - r["theory"]) for r in bubbles if SCHEDULE_ROWS[r["schedule"]][1] == 1)
     interleaved = [r for r in bubbles if SCHEDULE_ROWS[r["schedule"]][1] > 1]
     plain = {(r["p"], r["m"]): r["bubble"] for r in bubbles if r["schedule"] == "1f1b"}
@@ -264,6 +320,10 @@ def report(rows: list[dict]) -> str:
             f"what any scheduler keeping that order would show. 1F1B cannot meet the target: with at most `p` "
             f"micro-batches in flight on stage 0, each round trip to the last stage waits for `2 (p - 1)` "
             f"transfers, so every micro-batch costs stage 0 at least `2 (p - 1) t / p` more.\n\n{overlap}\n\n"
+            f"Side by side with PyTorch's own pipeline API, `torch.distributed.pipelining` (the same stages, one "
+            f"per rank, its `ScheduleGPipe` and `Schedule1F1B`): the wall time of a training step, from a barrier "
+            f"to the slowest rank's return, with tiny activations and with the loopback payloads above (the "
+            f"medians of the runs).\n\n{side}\n\n"
             "1F1B timelines (m = 8), drawn by `Pipeline.timeline().write_png`:\n\n"
             "![p=2](pipeline_timeline_p2.png)\n\n![p=4](pipeline_timeline_p4.png)\n\n"
             "Two interleaved stages per rank (1F1B quotas over all the stages):\n\n"
