@@ -45,7 +45,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<StreamScheduler>(m, "StreamScheduler")
       .def(py::init<int>(), py::arg("device"))
       .def("add_lane", &StreamScheduler::add_lane)
-      .def_property_readonly("lanes", &StreamScheduler::lanes)
       .def("lane_stream",
            [](const StreamScheduler& s, int lane) { return reinterpret_cast<std::uintptr_t>(s.lane_stream(lane)); })
       .def("mark", [](StreamScheduler& s, const py::object& stream) { return s.mark(as_stream(stream)); })

@@ -62,11 +62,6 @@ cudaStream_t StreamScheduler::lane_stream(int lane) const {
   return lanes_[lane];
 }
 
-int StreamScheduler::lanes() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return static_cast<int>(lanes_.size());
-}
-
 int StreamScheduler::acquire() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (free_.empty()) {

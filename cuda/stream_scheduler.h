@@ -36,7 +36,6 @@ class StreamScheduler {
 
   // A new copy stream (highest priority, non-blocking w.r.t. the legacy default stream); returns its lane index.
   int add_lane();
-  int lanes() const;
   // The lane's copy stream: device memory that a lane writes is allocated on it (see sbp_torch/_cuda_streams.py).
   cudaStream_t lane_stream(int lane) const;
 

@@ -42,10 +42,6 @@ class PythonStreamScheduler:
         self._lock = threading.Lock()
 
     @property
-    def lanes(self) -> int:
-        return len(self._streams)
-
-    @property
     def outstanding(self) -> int:
         return len(self._held)
 
