@@ -156,8 +156,8 @@ def _link_time(seconds: float):
         transfer.send = send
 
 
-def _wall_seconds(step, repeats: int) -> float:
-    """Median over ``repeats`` of one step's wall time, from a barrier to the slowest rank's return."""
+def wall_samples(step, repeats: int) -> list[float]:
+    """``repeats`` wall times of ``step()``, each from a barrier to the slowest rank's return."""
     times = []
     for _ in range(repeats):
         dist.barrier()
@@ -166,7 +166,12 @@ def _wall_seconds(step, repeats: int) -> float:
         took = torch.tensor([time.perf_counter() - start])
         dist.all_reduce(took, op=dist.ReduceOp.MAX)
         times.append(float(took))
-    return statistics.median(times)
+    return times
+
+
+def _wall_seconds(step, repeats: int) -> float:
+    """The median of ``wall_samples``."""
+    return statistics.median(wall_samples(step, repeats))
 
 
 def _torch_pipelining_step(world: int, m: int, schedule: str, batch: torch.Tensor, repeats: int) -> float:

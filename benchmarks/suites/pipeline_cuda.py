@@ -27,7 +27,7 @@ from torch import nn
 
 import sbp_torch as st
 from benchmarks.harness import markdown_table
-from benchmarks.suites.pipeline import ideal_step
+from benchmarks.suites.pipeline import ideal_step, wall_samples
 from sbp_torch import _cuda_streams
 from sbp_torch.pipeline import Pipeline
 
@@ -125,17 +125,6 @@ def _calibrate_payload(target_s: float) -> int:
     return best[0]
 
 
-def _step_seconds(pipe: Pipeline, batch: torch.Tensor) -> float:
-    torch.cuda.synchronize()
-    dist.barrier()
-    start = time.perf_counter()
-    pipe.step(batch, batch)
-    torch.cuda.synchronize()
-    t = torch.tensor([time.perf_counter() - start])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
-
-
 def _mps_running() -> bool:
     """Whether an MPS control daemon listens (its pipe, where CUDA clients look for it)."""
     return os.path.exists(os.path.join(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps"), "control"))
@@ -159,7 +148,13 @@ def measure(world: int, quick: bool) -> list[dict]:
                 pipe = Pipeline(stages, _loss, m, schedule)
                 batch = torch.ones(m, 1)
                 pipe.step(batch, batch)  # warm-up
-                samples = [_step_seconds(pipe, batch) for _ in range(repeats)]
+                torch.cuda.synchronize()  # each sample then ends with the GPU idle, as it starts
+
+                def step():
+                    pipe.step(batch, batch)
+                    torch.cuda.synchronize()
+
+                samples = wall_samples(step, repeats)
                 times[name] = (statistics.median(samples), min(samples), max(samples))
             rows.append({"p": world, "m": m, "schedule": schedule, "numel": numel, "transfer_s": transfer_s,
                          "share": transfer_s / FORWARD_S, "tiny": times["tiny"], "payload": times["payload"],
