@@ -69,7 +69,7 @@ class CollectiveTrace:
     end there. (Ranks of different groups may differ: one axis group can have even parts, another uneven.)"""
 
     def __init__(self):
-        from sbp_torch import _collectives
+        from sbp_torch._comm import _collectives
 
         self.calls: list[tuple[tuple[int, ...], str]] = []
         original = _collectives._run
@@ -147,20 +147,20 @@ def guarded(fn) -> tuple:
 
 
 class FallbackRecorder:
-    """Names of the aten ops that sbp_torch ran through its broadcast fallback (gathered inputs)."""
+    """Names of the aten ops that sbp_torch ran through its broadcast fallback (gathered inputs) since
+    ``clear``: the dispatcher's record of the ops it warned about."""
 
     def __init__(self):
-        from sbp_torch import _dispatch
+        from sbp_torch._dispatch import _fallback
 
-        self.ops: set[str] = set()
-        original = _dispatch._fallback
+        self._warned = _fallback.warned_ops
 
-        def recording(func, *args, **kwargs):
-            if func not in _dispatch.VALUE_OPS:
-                self.ops.add(str(func))
-            return original(func, *args, **kwargs)
+    @property
+    def ops(self) -> set[str]:
+        return {str(func) for func in self._warned}
 
-        _dispatch._fallback = recording
+    def clear(self) -> None:
+        self._warned.clear()
 
 
 def check_entry(op, backend, mesh_ndim: int, k: int, agree: Agreement, fallback: FallbackRecorder | None) -> dict:
@@ -168,7 +168,7 @@ def check_entry(op, backend, mesh_ndim: int, k: int, agree: Agreement, fallback:
     name = entry_name(op)
     record = {"family": family(op), "status": "pass", "detail": "", "samples": 0, "backward_samples": 0}
     if fallback is not None:
-        fallback.ops.clear()
+        fallback.clear()
     if torch.float32 not in op.supported_dtypes("cpu"):
         return {**record, "status": "skipped", "detail": "no float32 on cpu"}
     if name in NOT_RUN[backend.name]:

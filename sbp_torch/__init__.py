@@ -2,29 +2,51 @@
 
 A global tensor is one logical tensor laid out over the ranks of a ``placement`` by one SBP per placement
 axis (split, broadcast or partial). Importing this package adds ``to_global`` and ``is_global`` to
-``torch.Tensor``.
+``torch.Tensor`` and ``to_global`` to ``torch.nn.Module``.
+
+The names below are the public API; ``sbp_torch.sbp``, ``sbp_torch.pipeline`` and ``sbp_torch.kernels`` are
+public modules. Everything in a module or folder whose name starts with ``_`` is the implementation, laid
+out in layers (``docs/architecture.md``).
 """
 
 import torch
 
-from . import sbp
-from ._boxing.plan import BoxingPlan, BoxingStep, plan_boxing
-from ._collectives import CollectiveError
-from ._conversions import full_tensor, gradient_sbp, to_global, to_local
-from ._dispatch import MixedTensorError, implicit_broadcast, set_strict
-from ._factory import arange, empty, full, ones, rand, randn, tensor, zeros
-from ._global_tensor import GlobalTensor
-from ._module import module_to_global
-from ._placement import placement
+from . import kernels, sbp
+from ._api import (
+    Caches,
+    arange,
+    cache_clear,
+    cache_info,
+    empty,
+    full,
+    module_to_global,
+    ones,
+    rand,
+    randn,
+    set_cache_size,
+    tensor,
+    to_global,
+    zeros,
+)
+from ._boxing import BoxingPlan, BoxingStep, plan_boxing
+from ._comm import CollectiveError
+from ._dispatch import MixedTensorError, dispatch, implicit_broadcast, set_strict, strict
+from ._frontend import torch_function
+from ._layout import normalize_sbp
+from ._layout import Placement as placement
+from ._tensor import GlobalTensor, connect, full_tensor, gradient_sbp, to_local
 
 __all__ = [
     "BoxingPlan",
     "BoxingStep",
+    "Caches",
     "CollectiveError",
     "GlobalTensor",
     "MixedTensorError",
     "arange",
     "boxing_plan",
+    "cache_clear",
+    "cache_info",
     "empty",
     "full",
     "full_tensor",
@@ -36,7 +58,9 @@ __all__ = [
     "rand",
     "randn",
     "sbp",
+    "set_cache_size",
     "set_strict",
+    "strict",
     "tensor",
     "to_global",
     "to_local",
@@ -46,11 +70,12 @@ __all__ = [
 
 def boxing_plan(x: GlobalTensor, sbp) -> BoxingPlan:
     """The plan (steps, collectives, bytes) that ``x.to_global(sbp=sbp)`` would run; moves no data."""
-    from ._layout import normalize_sbp
-
     return plan_boxing(x._meta, normalize_sbp(sbp, x.placement, x.dim(), x.dtype))
 
 
+# The one place where the layers are wired together: the tensor type's torch entry points go to the
+# frontend and the dispatcher, and torch's own classes gain the conversions.
+connect(torch_function=torch_function, torch_dispatch=dispatch)
 torch.Tensor.to_global = to_global
 torch.nn.Module.to_global = module_to_global
 torch.Tensor.is_global = property(lambda self: isinstance(self, GlobalTensor), doc="Whether this is a global tensor.")

@@ -13,7 +13,7 @@ import itertools
 import torch
 
 from sbp_torch._layout import GlobalMeta
-from sbp_torch._sbp import Broadcast, Partial, Split
+from sbp_torch._layout import Broadcast, Partial, Split
 
 
 def coords(placement_shape):

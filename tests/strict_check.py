@@ -9,28 +9,24 @@ import contextlib
 import torch
 
 import sbp_torch as st
-from op_check import layout
-from sbp_torch import _dispatch
+from op_check import check_op, layout
 
 
 def strict(fn):
     """``fn`` run in strict mode: an op without a fitting signature raises instead of gathering."""
 
     def run(*args, **kwargs):
-        _dispatch.set_strict(True)
-        try:
+        with st.strict():
             return fn(*args, **kwargs)
-        finally:
-            _dispatch.set_strict(False)
 
     return run
 
 
 @contextlib.contextmanager
 def recording_collectives(*names):
-    """The calls of the named collectives of ``sbp_torch._collectives`` (``"all_reduce"``, ...), recorded as
+    """The calls of the named collectives of ``sbp_torch._comm`` (``"all_reduce"``, ...), recorded as
     ``(name, input shape)`` in the yielded list while the block runs."""
-    from sbp_torch import _collectives
+    from sbp_torch import _comm as _collectives
 
     calls = []
     originals = {name: getattr(_collectives, name) for name in names}
@@ -55,12 +51,8 @@ def recording_collectives(*names):
 def strict_recording_moves():
     """Strict mode, with every all-gather and all-to-all recorded as ``(collective name, input shape)`` in
     the yielded list: for tests that some tensor never moves whole."""
-    _dispatch.set_strict(True)
-    try:
-        with recording_collectives("all_gather", "all_to_all") as moved:
-            yield moved
-    finally:
-        _dispatch.set_strict(False)
+    with st.strict(), recording_collectives("all_gather", "all_to_all") as moved:
+        yield moved
 
 
 def gradient_layouts(fn, inputs, placement, sbps):
@@ -80,3 +72,31 @@ def gradient_layouts(fn, inputs, placement, sbps):
     grad = layout(grad, placement, st.gradient_sbp(out.sbp))
     strict(out.backward)(grad)
     return out.sbp, [None if x.grad is None else x.grad.sbp for x, w in zip(as_global, wants_grad) if w]
+
+
+def _as_tuple(sbp):
+    return sbp if isinstance(sbp, tuple) or sbp is None else (sbp,)
+
+
+def _first_output(fn):
+    def first(*args):
+        out = fn(*args)
+        return out[0] if isinstance(out, (tuple, list)) else out
+
+    return first
+
+
+def check_cases(cases, placement, kind: str) -> None:
+    """Each case ``(fn, inputs, input sbps, output sbp, gradient sbps)``: the values against torch
+    (``check_op``), then, in strict mode, the layout of the (first) output and of each floating input's
+    gradient (None where none arrives). One SBP stands for a 1-tuple."""
+    for i, (fn, inputs, sbps, expect, expect_grads) in enumerate(cases):
+        expect = _as_tuple(expect)
+        expect_grads = [_as_tuple(g) for g in expect_grads]
+        sbps = [_as_tuple(s) for s in sbps]
+        try:
+            check_op(fn, inputs, placement, sbps, expect_sbp=expect)
+            out_sbp, grads = gradient_layouts(_first_output(fn), inputs, placement, sbps)
+            assert (out_sbp, grads) == (expect, expect_grads), f"output, gradients: {out_sbp}, {grads}"
+        except Exception as err:
+            raise AssertionError(f"{kind} case {i}: {err}") from err

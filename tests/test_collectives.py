@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 
 from sbp_torch import CollectiveError
-from sbp_torch import _collectives as coll
-from sbp_torch._process_groups import AxisGroup
+from sbp_torch import _comm as coll
+from sbp_torch._comm import AxisGroup
 from world import run_on_world
 
 
@@ -44,7 +44,7 @@ def test_uneven_gather_follows_placement_order_not_rank_order():
 
 
 def axis_group_timeout():
-    from sbp_torch._process_groups import _process_group
+    from sbp_torch._comm._groups import _process_group
 
     group = _process_group((0, 1))  # a strict subset of the 3-rank world: a new group
     if dist.get_rank() == 2:

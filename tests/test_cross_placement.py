@@ -24,7 +24,7 @@ import sbp_torch as st
 from reference import assemble, coords, random_parts
 from sbp_torch._boxing.cross_placement import cross_target, plan_cross
 from sbp_torch._layout import GlobalMeta, normalize_sbp
-from sbp_torch._sbp import Partial
+from sbp_torch._layout import Partial
 from sbp_torch.sbp import broadcast, partial_max, partial_min, partial_sum, split
 from world import run_on_world
 

@@ -18,8 +18,8 @@ from hypothesis import strategies as st_
 
 import sbp_torch as st
 from reference import assemble, expected_region, random_parts
-from sbp_torch import _dispatch
-from sbp_torch._conversions import gradient_sbp
+from sbp_torch._dispatch import _fallback
+from sbp_torch import gradient_sbp
 from sbp_torch._layout import GlobalMeta, normalize_sbp
 from sbp_torch.sbp import broadcast, partial_max, partial_min, partial_sum, split
 from world import run_on_world
@@ -354,7 +354,7 @@ def warning_body():
     """Every rank: forget earlier warnings for histc (no rule), then run it twice and a rule op once, recording."""
     p = st.placement("cpu", [0, 1])
     g = torch.arange(6.0).reshape(3, 2).to_global(p, split(0))
-    _dispatch._warned.discard(torch.ops.aten.histc.default)
+    _fallback.warned_ops.discard(torch.ops.aten.histc.default)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         first = torch.histc(g, bins=4)

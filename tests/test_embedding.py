@@ -11,7 +11,7 @@ from op_check import check_op
 from sbp_torch.sbp import broadcast as B
 from sbp_torch.sbp import partial_sum as P
 from sbp_torch.sbp import split as S
-from strict_check import gradient_layouts
+from strict_check import check_cases
 from world import run_on_world
 
 GEN = torch.Generator().manual_seed(0)
@@ -25,46 +25,33 @@ def _embed(**options):
     return lambda w, i: F.embedding(i, w, **options)
 
 
-# (function, inputs, input sbps, output sbp, gradient sbp of the table) on a 1-D placement
+# (function, inputs, input sbps, output sbp, [gradient sbp of the table]) on a 1-D placement
 CASES_1D = [
-    (_embed(), [TABLE, IDS], [B, S(0)], S(0), P),
-    (_embed(), [TABLE, IDS], [B, S(1)], S(1), P),
-    (_embed(padding_idx=2), [TABLE, IDS], [S(1), B], S(2), S(1)),
-    (_embed(), [TABLE, IDS], [S(0), B], P, S(0)),
-    (_embed(padding_idx=3), [TABLE, IDS], [S(0), B], P, S(0)),
-    (_embed(scale_grad_by_freq=True), [TABLE, IDS], [S(0), B], P, S(0)),
-    (_embed(scale_grad_by_freq=True), [TABLE, IDS], [B, S(0)], S(0), S(1)),  # global frequencies: no P
-    (_embed(padding_idx=4), [SMALL_TABLE, SMALL_IDS], [S(0), B], P, S(0)),
-    (_embed(), [SMALL_TABLE, SMALL_IDS], [P, B], P, S(0)),
+    (_embed(), [TABLE, IDS], [B, S(0)], S(0), [P]),
+    (_embed(), [TABLE, IDS], [B, S(1)], S(1), [P]),
+    (_embed(padding_idx=2), [TABLE, IDS], [S(1), B], S(2), [S(1)]),
+    (_embed(), [TABLE, IDS], [S(0), B], P, [S(0)]),
+    (_embed(padding_idx=3), [TABLE, IDS], [S(0), B], P, [S(0)]),
+    (_embed(scale_grad_by_freq=True), [TABLE, IDS], [S(0), B], P, [S(0)]),
+    (_embed(scale_grad_by_freq=True), [TABLE, IDS], [B, S(0)], S(0), [S(1)]),  # global frequencies: no P
+    (_embed(padding_idx=4), [SMALL_TABLE, SMALL_IDS], [S(0), B], P, [S(0)]),
+    (_embed(), [SMALL_TABLE, SMALL_IDS], [P, B], P, [S(0)]),
 ]
 
 CASES_2D = [
-    (_embed(), [TABLE, IDS], [(S(0), S(1)), (B, B)], (P, S(2)), (S(0), S(1))),
-    (_embed(), [TABLE, IDS], [(B, S(0)), (S(0), B)], (S(0), P), (P, S(0))),
-    (_embed(padding_idx=1), [TABLE, IDS], [(S(0), S(0)), (B, B)], (P, P), (S(0), S(0))),
-    (_embed(), [TABLE, IDS], [(B, B), (S(0), S(1))], (S(0), S(1)), (P, P)),
+    (_embed(), [TABLE, IDS], [(S(0), S(1)), (B, B)], (P, S(2)), [(S(0), S(1))]),
+    (_embed(), [TABLE, IDS], [(B, S(0)), (S(0), B)], (S(0), P), [(P, S(0))]),
+    (_embed(padding_idx=1), [TABLE, IDS], [(S(0), S(0)), (B, B)], (P, P), [(S(0), S(0))]),
+    (_embed(), [TABLE, IDS], [(B, B), (S(0), S(1))], (S(0), S(1)), [(P, P)]),
 ]
 
 
-def _check_cases(cases, p, kind):
-    for i, (fn, inputs, sbps, expect, expect_grad) in enumerate(cases):
-        expect = expect if isinstance(expect, tuple) else (expect,)
-        expect_grad = expect_grad if isinstance(expect_grad, tuple) else (expect_grad,)
-        sbps = [s if isinstance(s, tuple) else (s,) for s in sbps]
-        try:
-            check_op(fn, inputs, p, sbps, expect_sbp=expect)
-            out_sbp, (got,) = gradient_layouts(fn, inputs, p, sbps)
-            assert (out_sbp, got) == (expect, expect_grad), f"output, table gradient: {out_sbp}, {got}"
-        except Exception as err:
-            raise AssertionError(f"{kind} case {i}: {err}") from err
-
-
 def embedding_1d(n):
-    _check_cases(CASES_1D, st.placement("cpu", list(range(n))), "1-D")
+    check_cases(CASES_1D, st.placement("cpu", list(range(n))), "1-D")
 
 
 def embedding_2d():
-    _check_cases(CASES_2D, st.placement("cpu", [[0, 1], [2, 3]]), "2-D")
+    check_cases(CASES_2D, st.placement("cpu", [[0, 1], [2, 3]]), "2-D")
 
 
 def test_embedding_1d():

@@ -17,9 +17,9 @@ from hypothesis import strategies as st_
 
 import sbp_torch as st
 from reference import assemble, coords, expected_region, partial_free
-from sbp_torch._conversions import gradient_sbp
+from sbp_torch import gradient_sbp
 from sbp_torch._layout import GlobalMeta, normalize_sbp
-from sbp_torch._random import counter_based_region
+from sbp_torch._layout._philox import random_values, region_flat_indices
 from sbp_torch.sbp import Split, broadcast, partial_max, partial_min, partial_sum, split
 from world import run_on_world
 
@@ -235,6 +235,11 @@ def test_requires_grad_gives_leaf_with_gradient_in_gradient_layout(ranks, sbp, f
 
 # ---------------------------------------------------------------------------------------------------------
 # The counter-based (CUDA) generator, computed on CPU: split invariance
+
+
+def counter_based_region(kind, meta, starts, lengths, seed, offset, device):
+    """The region of a counter-based random tensor, as the CUDA path computes it (here on the CPU)."""
+    return random_values(kind, region_flat_indices(meta.shape, starts, lengths, device), seed, offset, meta.dtype)
 
 
 @settings(max_examples=60)

@@ -13,8 +13,8 @@ import torch
 
 import sbp_torch as st
 from op_check import check_op, layout
-from sbp_torch import _dispatch
-from sbp_torch._sbp import Partial
+
+from sbp_torch._layout import Partial
 from sbp_torch.sbp import broadcast as B
 from sbp_torch.sbp import partial_max, partial_sum
 from sbp_torch.sbp import split as S
@@ -51,7 +51,7 @@ def factory_body(ranks):
         layouts = [(S(0), S(1)), (S(1), partial_max), (partial_sum, B)]
     else:
         layouts = [(S(0),), (S(1),), (partial_sum,), (B,)]
-    _dispatch.set_strict(True)
+    st.set_strict(True)
     try:
         for name, fn, x, expected in cases():
             for sbp in layouts:
@@ -66,7 +66,7 @@ def factory_body(ranks):
         loss.backward()  # autograd starts from ones_like(loss): a broadcast one
         return leaf.grad.item()
     finally:
-        _dispatch.set_strict(False)
+        st.set_strict(False)
 
 
 @pytest.mark.parametrize("ranks", [[0, 1], [0, 1, 2], [[0, 1], [2, 3]]], ids=["2", "3", "2x2"])

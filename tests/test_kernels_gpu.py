@@ -69,7 +69,7 @@ def test_forward_and_backward(kernels, dtype, shape):
 
 def test_dropout_mask_is_the_philox_rule(kernels):
     """The CUDA mask equals the counter-based rule of sbp_torch._philox at the generator's offset."""
-    from sbp_torch._philox import random_values
+    from sbp_torch._layout._philox import random_values
 
     x = _fresh((5, 7), torch.float32)
     gen = torch.cuda.default_generators[torch.cuda.current_device()]

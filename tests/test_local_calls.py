@@ -1,4 +1,4 @@
-"""Local calls (``_local_calls.py``): torch functions that autograd does not record, run on the local parts.
+"""Local calls (``_frontend/_local_calls.py``): torch functions that autograd does not record, run on the local parts.
 
 Each test runs the calls on a real gloo world and compares with the same calls on plain tensors in one
 process; it also checks that the local call was (or, for views, composites that read a shape, and calls
@@ -16,7 +16,7 @@ from hypothesis import strategies as st_
 
 import sbp_torch as st
 from reference import assemble, random_parts
-from sbp_torch import _local_calls
+from sbp_torch._frontend import _local_calls
 from sbp_torch._layout import GlobalMeta, normalize_sbp
 from sbp_torch.sbp import broadcast, partial_max, partial_sum, split
 from world import run_on_world
@@ -85,7 +85,7 @@ def calls_body(ranks, name, shape, sbps, seed):
 
 
 def _learnt() -> int:
-    return sum(isinstance(v, _local_calls.LocalCall) for d in _local_calls._calls.values() for v in d.values())
+    return sum(isinstance(v, _local_calls.LocalCall) for v in _local_calls.LOCAL_CALLS.entries())
 
 
 @st_.composite
@@ -258,7 +258,7 @@ def adamw_body(foreach, steps):
             param.grad = torch.randn(param.shape).to_global(p, (broadcast,))
         opt.step()
         schedule.step()
-        learnt.append(len([v for d in _local_calls._calls.values() for v in d.values()]))
+        learnt.append(len(_local_calls.LOCAL_CALLS))
     return [param.detach().full_tensor() for param in params], learnt
 
 

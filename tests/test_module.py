@@ -148,7 +148,8 @@ def test_batched_matmul_keeps_head_split():
 
 
 def _foreach_runs_as_one_call():
-    from sbp_torch import _dispatch
+    from sbp_torch._dispatch import CALLS
+    from sbp_torch._dispatch._foreach import ForeachPlan
 
     p = st.placement("cpu", [0, 1])
     model = _mlp().to_global(p, {"0.weight": split(0), "*": broadcast})
@@ -158,7 +159,7 @@ def _foreach_runs_as_one_call():
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    return sorted({str(func) for func, _ in _dispatch._foreach_plans})
+    return sorted({str(entry.func) for entry in CALLS.entries() if isinstance(entry, ForeachPlan)})
 
 
 def test_foreach_ops_whose_indices_run_locally_become_one_local_call():

@@ -13,7 +13,7 @@ from op_check import check_op
 from sbp_torch.sbp import broadcast as B
 from sbp_torch.sbp import partial_sum as P
 from sbp_torch.sbp import split as S
-from strict_check import gradient_layouts
+from strict_check import check_cases
 from world import run_on_world
 
 GEN = torch.Generator().manual_seed(0)
@@ -99,27 +99,12 @@ CASES_2D = [
 ]
 
 
-def _check_cases(cases, p, kind):
-    """Values against torch (``check_op``), then layouts with forward and backward in strict mode."""
-    for i, (fn, inputs, sbps, expect, expect_grads) in enumerate(cases):
-        expect = expect if isinstance(expect, tuple) else (expect,)
-        expect_grads = [g if isinstance(g, tuple) or g is None else (g,) for g in expect_grads]
-        sbps = [s if isinstance(s, tuple) else (s,) for s in sbps]
-        try:
-            check_op(fn, inputs, p, sbps, expect_sbp=expect)
-            first = (lambda *a: fn(*a)[0]) if fn is batch_norm_running else fn
-            out_sbp, grads = gradient_layouts(first, inputs, p, sbps)
-            assert (out_sbp, grads) == (expect, expect_grads), f"output, gradients: {out_sbp}, {grads}"
-        except Exception as err:
-            raise AssertionError(f"{kind} case {i}: {err}") from err
-
-
 def normalization_1d(n):
-    _check_cases(CASES_1D, st.placement("cpu", list(range(n))), "1-D")
+    check_cases(CASES_1D, st.placement("cpu", list(range(n))), "1-D")
 
 
 def normalization_2d():
-    _check_cases(CASES_2D, st.placement("cpu", [[0, 1], [2, 3]]), "2-D")
+    check_cases(CASES_2D, st.placement("cpu", [[0, 1], [2, 3]]), "2-D")
 
 
 def test_normalization_1d():

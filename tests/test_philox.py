@@ -4,7 +4,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from sbp_torch._philox import counters_used, philox4x32, random_values, region_flat_indices
+from sbp_torch._layout._philox import counters_used, philox4x32, random_values, region_flat_indices
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 
@@ -139,7 +139,7 @@ def test_uniform_statistics(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_extreme_words_stay_in_range(dtype, monkeypatch):
     # Force the extreme 32-bit words 0 and 2**32-1 through the float conversions.
-    import sbp_torch._philox as ph
+    import sbp_torch._layout._philox as ph
 
     def fake(lo, hi, seed):
         w = torch.tensor([0, 2**32 - 1, 2**32 - 1, 0], dtype=torch.int64)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import sbp_torch as st
-from sbp_torch import _actor_runtime
+from sbp_torch.pipeline import _actors as actors
 from sbp_torch.pipeline import Pipeline, PipelineError
 from sbp_torch.sbp import broadcast, split
 from world import run_on_world
@@ -56,17 +56,7 @@ LAYOUTS = {
 }
 
 
-def _pipelined(world: int, layout: str, schedule: str, micro_batches: int, rows: int, core: str = "default",
-               device: str = "cpu"):
-    default = _actor_runtime.implementation()
-    _actor_runtime.use(default if core == "default" else core)
-    try:
-        return _run_pipelined(world, layout, schedule, micro_batches, rows, device)
-    finally:
-        _actor_runtime.use(default)
-
-
-def _run_pipelined(world: int, layout: str, schedule: str, micro_batches: int, rows: int, device: str = "cpu"):
+def _pipelined(world: int, layout: str, schedule: str, micro_batches: int, rows: int, device: str = "cpu"):
     ranks, plans, input_sbp, per_stage = LAYOUTS[layout]
     ranks = _stage_ranks(ranks, world)
     layers = _layers(len(ranks) * per_stage)
@@ -110,10 +100,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("world,layout,schedule,micro_batches,rows,core",
-                         [case + ("default",) for case in CASES] + [CASES[2] + ("Python",), CASES[4] + ("Python",)])
-def test_matches_one_process(world, layout, schedule, micro_batches, rows, core):
-    results = run_on_world(world, _pipelined, world, layout, schedule, micro_batches, rows, core)
+@pytest.mark.parametrize("world,layout,schedule,micro_batches,rows", CASES)
+def test_matches_one_process(world, layout, schedule, micro_batches, rows):
+    results = run_on_world(world, _pipelined, world, layout, schedule, micro_batches, rows)
     ranks, _, _, per_stage = LAYOUTS[layout]
     want_losses, want_params = _reference(len(_stage_ranks(ranks, world)) * per_stage, rows)
     for losses, params, p, peaks in results:
@@ -187,41 +176,28 @@ def test_bad_ties_refused(names, message):
 
 # ---- the runtime alone: quotas make the schedule ----------------------------------------------------------
 
-CORES = list(_actor_runtime.CORES.values())
-
-
-def test_the_cpp_core_is_built_where_a_compiler_is():
-    """The C++ core is optional for users, but CI has a compiler: a core that stopped building must fail here."""
-    if not (shutil.which("c++") or shutil.which("g++")) or os.environ.get("SBP_TORCH_NO_CPP_BUILD"):
-        pytest.skip("no C++ compiler: the Python runtime is the only one")
-    assert "C++" in _actor_runtime.CORES, "csrc/actors.cpp was not built; rerun scripts/bootstrap.sh"
-    assert _actor_runtime.implementation() == "C++"
-
-
-def _one_stage_order(core, slots: int, m: int) -> list[str]:
+def _one_stage_order(slots: int, m: int) -> list[str]:
     """Order of a stage's forwards and backwards when gradients are always at hand."""
-    runtime, order = core.Runtime(), []
-    saved = core.Register("forward", slots, read_when_full=True)
-    runtime.add(core.Actor("F", lambda i, _: (order.append(f"F{i}") or i,), m, outputs=[saved]))
-    runtime.add(core.Actor("B", lambda i, _: order.append(f"B{i}") or (), m, inputs=[saved]))
+    runtime, order = actors.Runtime(), []
+    saved = actors.Register("forward", slots, read_when_full=True)
+    runtime.add(actors.Actor("F", lambda i, _: (order.append(f"F{i}") or i,), m, outputs=[saved]))
+    runtime.add(actors.Actor("B", lambda i, _: order.append(f"B{i}") or (), m, inputs=[saved]))
     runtime.run()
     assert saved.peak == slots
     assert [(e.actor, e.index) for e in runtime.events] == [(name[0], int(name[1:])) for name in order]
     return order
 
 
-@pytest.mark.parametrize("core", CORES, ids=lambda c: c.__name__)
-def test_quotas_make_gpipe_and_1f1b(core):
-    assert _one_stage_order(core, 4, 4) == ["F0", "F1", "F2", "F3", "B0", "B1", "B2", "B3"]
-    assert _one_stage_order(core, 2, 4) == ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"]
+def test_quotas_make_gpipe_and_1f1b():
+    assert _one_stage_order(4, 4) == ["F0", "F1", "F2", "F3", "B0", "B1", "B2", "B3"]
+    assert _one_stage_order(2, 4) == ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"]
 
 
-@pytest.mark.parametrize("core", CORES, ids=lambda c: c.__name__)
-def test_pending_work_wakes_the_loop(core):
+def test_pending_work_wakes_the_loop():
     """An asynchronous actor finishing on another thread wakes the idle loop, which then runs its consumer;
     the actor fires again only after its previous firing finished."""
-    runtime, order = core.Runtime(check_every=5.0), []
-    fetched = core.Register("fetched", 2)
+    runtime, order = actors.Runtime(check_every=5.0), []
+    fetched = actors.Register("fetched", 2)
     done = {}
 
     def fetch(i, _):
@@ -230,10 +206,10 @@ def test_pending_work_wakes_the_loop(core):
             done[i] = True
             runtime.notify()
         threading.Thread(target=finish).start()
-        return core.Pending(lambda: (i,) if done.get(i) else None)
+        return actors.Pending(lambda: (i,) if done.get(i) else None)
 
-    runtime.add(core.Actor("fetch", fetch, 2, outputs=[fetched], kind="transfer"))
-    runtime.add(core.Actor("use", lambda i, inputs: order.append(inputs[0]) or (), 2, inputs=[fetched]))
+    runtime.add(actors.Actor("fetch", fetch, 2, outputs=[fetched], kind="transfer"))
+    runtime.add(actors.Actor("use", lambda i, inputs: order.append(inputs[0]) or (), 2, inputs=[fetched]))
     start = time.perf_counter()
     runtime.run()
     assert time.perf_counter() - start < 2.0, "notify() must wake the loop, not the 5 s check timer"
@@ -242,10 +218,9 @@ def test_pending_work_wakes_the_loop(core):
     assert kinds == {"fetch": "transfer", "use": "compute"}
 
 
-@pytest.mark.parametrize("core", CORES, ids=lambda c: c.__name__)
-def test_body_errors_and_idle_checks_propagate(core):
-    runtime = core.Runtime()
-    runtime.add(core.Actor("raises", lambda i, _: 1 / 0, 1))
+def test_body_errors_and_idle_checks_propagate():
+    runtime = actors.Runtime()
+    runtime.add(actors.Actor("raises", lambda i, _: 1 / 0, 1))
     with pytest.raises(ZeroDivisionError):
         runtime.run()
 
@@ -255,21 +230,20 @@ def test_body_errors_and_idle_checks_propagate(core):
     def check():
         raise Stop
 
-    runtime = core.Runtime(check=check, check_every=0.001)
-    runtime.add(core.Actor("waits", lambda i, _: core.Pending(lambda: None), 1))
+    runtime = actors.Runtime(check=check, check_every=0.001)
+    runtime.add(actors.Actor("waits", lambda i, _: actors.Pending(lambda: None), 1))
     with pytest.raises(Stop):
         runtime.run()
 
 
-@pytest.mark.parametrize("core", CORES, ids=lambda c: c.__name__)
-def test_stuck_graph_raises(core):
-    runtime = core.Runtime()
-    never = core.Register("never", 1)
-    runtime.add(core.Actor("waits", lambda i, _: (), 1, inputs=[never]))
+def test_stuck_graph_raises():
+    runtime = actors.Runtime()
+    never = actors.Register("never", 1)
+    runtime.add(actors.Actor("waits", lambda i, _: (), 1, inputs=[never]))
     with pytest.raises(RuntimeError, match=r"stuck: nothing ready and nothing in flight: \['waits \(0/1\)'\]"):
         runtime.run()
     with pytest.raises(ValueError, match="at least one slot"):
-        core.Register("empty", 0)
+        actors.Register("empty", 0)
 
 
 # ---- bad input ----------------------------------------------------------------------------------------------

@@ -1,33 +1,25 @@
-"""Pipelines on CUDA: the stream scheduler (``cuda/stream_scheduler.h`` and its Python twin) orders copies
-against compute by events alone, and pipelined training on CUDA stages matches one process. Skips without a
-GPU. Two ranks may share one GPU (each its own CUDA context), so one GPU runs every test here."""
+"""Pipelines on CUDA: the stream scheduler orders copies against compute by events alone, and pipelined
+training on CUDA stages matches one process. Skips without a GPU. Two ranks may share one GPU (each its own
+CUDA context), so one GPU runs every test here."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
 
-from sbp_torch import _cuda_streams
+from sbp_torch.pipeline import _cuda_staging
 from test_pipeline import CASES, LAYOUTS, _pipelined, _reference, _stage_errors, _stage_ranks, check_stage_errors
 from world import run_on_world
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-SCHEDULERS = ["C++", "Python"]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-def _scheduler(name: str):
-    found = _cuda_streams.implementations()
-    if name not in found:
-        pytest.skip(f"the {name} stream scheduler is not built here (and cannot be: no nvcc/ninja)")
-    return found[name](torch.cuda.current_device())
+def _scheduler():
+    return _cuda_staging.StreamScheduler(torch.cuda.current_device())
 
 
-@pytest.mark.parametrize("name", SCHEDULERS)
-def test_a_staged_copy_waits_for_the_compute_it_was_marked_after(name):
-    sched = _scheduler(name)
+def test_a_staged_copy_waits_for_the_compute_it_was_marked_after():
+    sched = _scheduler()
     lane = sched.add_lane()
     compute = torch.cuda.current_stream()
     x = torch.zeros(1 << 20, device="cuda")
@@ -36,7 +28,7 @@ def test_a_staged_copy_waits_for_the_compute_it_was_marked_after(name):
     x.fill_(7.0)
     after = sched.mark(compute)
     host = torch.empty(x.shape, pin_memory=True)
-    ticket = sched.stage(lane, after, [(host, x)], False)  # on a high-priority copy stream: would run at once
+    ticket = sched.stage(lane, after, [(host, x)])  # on a high-priority copy stream: would run at once
     sched.wait(ticket)
     assert bool((host == 7.0).all()), "the copy ran before the compute it was marked after"
     sched.release(ticket)
@@ -44,16 +36,15 @@ def test_a_staged_copy_waits_for_the_compute_it_was_marked_after(name):
     assert sched.outstanding == 0
 
 
-@pytest.mark.parametrize("name", SCHEDULERS)
-def test_compute_ordered_after_an_arriving_copy_sees_its_data(name):
-    sched = _scheduler(name)
+def test_compute_ordered_after_an_arriving_copy_sees_its_data():
+    sched = _scheduler()
     lane = sched.add_lane()
     compute = torch.cuda.current_stream()
     n = 1 << 26  # 256 MB: the copy takes milliseconds, and compute would start at once without the order
     host = (torch.arange(n, dtype=torch.float32) % 3).pin_memory()  # pinned: the copy is truly asynchronous
     dev = torch.full((n,), float("nan"), device="cuda")
     torch.cuda.synchronize()
-    ticket = sched.stage(lane, -1, [(dev, host)], True)
+    ticket = sched.stage(lane, -1, [(dev, host)])
     sched.order(compute, ticket)
     total = dev.double().sum()  # queued on compute right away; runs after the copy
     assert float(total) == float(host.double().sum())
@@ -61,22 +52,19 @@ def test_compute_ordered_after_an_arriving_copy_sees_its_data(name):
     assert sched.outstanding == 0
 
 
-@pytest.mark.parametrize("name", SCHEDULERS)
-def test_bad_tickets_and_sizes_are_refused(name):
-    sched = _scheduler(name)
+def test_bad_tickets_and_sizes_are_refused():
+    sched = _scheduler()
     lane = sched.add_lane()
     with pytest.raises((ValueError, RuntimeError), match="not held"):
         sched.wait(12345)
     with pytest.raises((ValueError, RuntimeError), match="differ in size"):
-        sched.stage(lane, -1, [(torch.empty(3, pin_memory=True), torch.zeros(4, device="cuda"))], False)
+        sched.stage(lane, -1, [(torch.empty(3, pin_memory=True), torch.zeros(4, device="cuda"))])
 
 
-@pytest.mark.parametrize("name", SCHEDULERS)
-def test_an_arriving_copy_does_not_take_memory_that_queued_compute_still_writes(name):
+def test_an_arriving_copy_does_not_take_memory_that_queued_compute_still_writes():
     """The copy stream does not wait for compute: memory it writes must not come from the compute stream's
     pool, where a freed block may still have compute queued on it."""
-    _scheduler(name)
-    staging = _cuda_streams.Staging(torch.device("cuda", torch.cuda.current_device()), name)
+    staging = _cuda_staging.Staging(torch.device("cuda", torch.cuda.current_device()))
     n = 1 << 20
     host = (torch.arange(n, dtype=torch.float32) % 5).pin_memory()
     _, first = staging.to_device("channel", host)  # makes the lane first: creating a stream may wait for the GPU
@@ -94,14 +82,9 @@ def test_an_arriving_copy_does_not_take_memory_that_queued_compute_still_writes(
     assert staging.scheduler.outstanding == 0
 
 
-def _cuda_pipelined(scheduler: str, *args):
+def _cuda_pipelined(*args):
     torch.cuda.set_device(torch.distributed.get_rank() % torch.cuda.device_count())
-    os.environ["SBP_TORCH_PYTHON_STREAMS"] = "1" if scheduler == "Python" else "0"
-    try:
-        used = _cuda_streams.scheduler_class().__module__
-        return used, _pipelined(*args, device="cuda")
-    finally:
-        del os.environ["SBP_TORCH_PYTHON_STREAMS"]
+    return _pipelined(*args, device="cuda")
 
 
 # one rank per stage, GPipe and 1F1B, uneven micro-batches, and interleaved stages (several lanes per rank)
@@ -109,14 +92,11 @@ CUDA_CASES = [case for case in CASES if case[1] in ("one rank per stage", "inter
 
 
 @pytest.mark.parametrize("world,layout,schedule,micro_batches,rows", CUDA_CASES)
-@pytest.mark.parametrize("scheduler", SCHEDULERS)
-def test_cuda_pipeline_matches_one_process(scheduler, world, layout, schedule, micro_batches, rows):
-    _scheduler(scheduler)
-    results = run_on_world(world, _cuda_pipelined, scheduler, world, layout, schedule, micro_batches, rows)
+def test_cuda_pipeline_matches_one_process(world, layout, schedule, micro_batches, rows):
+    results = run_on_world(world, _cuda_pipelined, world, layout, schedule, micro_batches, rows)
     ranks, _, _, per_stage = LAYOUTS[layout]
     want_losses, want_params = _reference(len(_stage_ranks(ranks, world)) * per_stage, rows)
-    for used, (losses, params, _, _) in results:
-        assert ("_cuda_streams" in used) == (scheduler == "Python"), used
+    for losses, params, _, _ in results:
         assert losses == pytest.approx(want_losses, rel=1e-5)
         assert params
         for i, got in params.items():

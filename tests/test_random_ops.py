@@ -15,9 +15,9 @@ import torch.nn.functional as F
 
 import sbp_torch as st
 from op_check import layout
-from sbp_torch import _dispatch
-from sbp_torch._conversions import gradient_sbp
-from sbp_torch._sbp import Partial
+
+from sbp_torch import gradient_sbp
+from sbp_torch._layout import Partial
 from sbp_torch.sbp import broadcast as B
 from sbp_torch.sbp import partial_max, partial_sum
 from sbp_torch.sbp import split as S
@@ -79,7 +79,7 @@ def layouts(ranks):
 def random_body(ranks):
     p = st.placement("cpu", ranks)
     mismatches = []
-    _dispatch.set_strict(True)
+    st.set_strict(True)
     try:
         for sbp in layouts(ranks):
             x = layout(X, p, sbp)
@@ -94,7 +94,7 @@ def random_body(ranks):
                 if not torch.allclose(out.full_tensor(), want, atol=1e-6) or not torch.equal(got_next, want_next):
                     mismatches.append((name, sbp, "value"))
     finally:
-        _dispatch.set_strict(False)
+        st.set_strict(False)
     return mismatches
 
 

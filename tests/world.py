@@ -8,6 +8,8 @@ Starting processes and rendezvousing costs seconds, so each world size gets one
 set of spawned workers, started lazily and reused for the whole session.  A
 world whose call failed (exception, timeout, dead worker) may be stuck in or
 out of step in a collective, so it is killed; the next call starts a fresh one.
+Before a world that did not answer is killed, every rank prints the stacks of all
+its threads (``faulthandler``), and the failure message carries them.
 
 ``fn`` travels by reference (module + qualname), so it must be a module-level
 function of an importable module (test modules are: workers put ``tests/`` and
@@ -16,12 +18,14 @@ the repo root on ``sys.path``).
 
 import atexit
 import datetime
+import faulthandler
 import multiprocessing as mp
 import multiprocessing.connection
 import os
 import pickle
 import signal
 import sys
+import tempfile
 import time
 import traceback
 
@@ -49,9 +53,11 @@ class RankFailure(AssertionError):
         self.failures, self.missing = failures, missing
 
 
-def _worker(rank, size, port, conn):
+def _worker(rank, size, port, conn, stack_path):
     """Worker main loop: join the gloo world, then run jobs until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is handled by the parent
+    stacks = open(stack_path, "w")  # noqa: SIM115 - open for the worker's life: SIGUSR1 writes here
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     for path in (REPO_ROOT, TESTS_DIR):
         if path not in sys.path:
             sys.path.insert(0, path)
@@ -87,9 +93,11 @@ class _World:
                                    wait_for_workers=False)
         ctx = mp.get_context("spawn")
         self.procs, self.conns = [], []
+        self.stack_dir = tempfile.mkdtemp(prefix=f"world{size}-")
+        self.stack_paths = [os.path.join(self.stack_dir, f"rank{rank}.txt") for rank in range(size)]
         for rank in range(size):
             parent_end, child_end = ctx.Pipe()
-            proc = ctx.Process(target=_worker, args=(rank, size, self.store.port, child_end),
+            proc = ctx.Process(target=_worker, args=(rank, size, self.store.port, child_end, self.stack_paths[rank]),
                                name=f"world{size}-rank{rank}", daemon=True)
             proc.start()
             child_end.close()  # so that a dead worker reads as EOF on parent_end
@@ -134,15 +142,33 @@ class _World:
                     deadline = min(deadline, time.monotonic() + GRACE)
         if len(results) == self.size:
             return [results[r] for r in range(self.size)]
-        self.kill()
         missing = [r for r in range(self.size) if r not in results and r not in failures]
+        stacks = self.stacks(missing)
+        self.kill()
         lines = [f"{what} failed on rank(s) {sorted(failures)}" if failures
                  else f"{what} timed out after {timeout:g}s"]
         if missing:
             lines.append(f"rank(s) {missing} did not answer (blocked or hung; world killed)")
         for rank in sorted(failures):
             lines.append(f"--- rank {rank} ---\n{failures[rank].rstrip()}")
+        for rank, stack in stacks.items():
+            lines.append(f"--- rank {rank} was here (all threads) ---\n{stack.rstrip()}")
         raise RankFailure("\n".join(lines), failures, missing)
+
+    def stacks(self, ranks) -> dict:
+        """The stacks of all threads of each of ``ranks`` that is alive, as each printed them just now."""
+        for rank in ranks:
+            if self.procs[rank].is_alive():
+                os.kill(self.procs[rank].pid, signal.SIGUSR1)
+        time.sleep(0.5)  # faulthandler writes from a signal handler: give it a moment
+        found = {}
+        for rank in ranks:
+            try:
+                with open(self.stack_paths[rank]) as f:
+                    found[rank] = f.read()
+            except OSError:
+                pass
+        return {rank: text for rank, text in found.items() if text}
 
     def shutdown(self):
         """Ask workers to leave the process group and exit; kill the stragglers."""

@@ -38,7 +38,7 @@ from torch import nn
 
 import sbp_torch as st
 from benchmarks.harness import markdown_table
-from sbp_torch import _stage_transfer as transfer
+from sbp_torch.pipeline import _transfer as transfer
 from sbp_torch.pipeline import SCHEDULES, Pipeline
 
 TITLE = "Pipeline schedules: bubbles, activations in flight, transfer overlap"

@@ -28,16 +28,11 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
-import torch.distributed as dist
 
-from .._layout import GlobalMeta, normalize_sbp
-from .._placement import placement as Placement
-from .._sbp import Broadcast, Partial, SbpType, Split, reduction_identity
-from .pieces import Piece, box_of, exchange, fill_of, pieces_between
+from .._layout import GlobalMeta, Partial, Placement, SbpType, Split, broadcast, normalize_sbp, reduction_identity
+from .pieces import Piece, box_of, fill_of, pieces_between, send_pieces
 from .plan import BoxingPlan, plan_boxing
 from .run import run_plan
-
-BROADCAST = Broadcast()
 
 
 @dataclass(frozen=True)
@@ -113,7 +108,7 @@ def _reductions(meta: GlobalMeta) -> list[tuple[SbpType, ...]]:
     of a non-empty dim or broadcast, or stays (kept axes must share one op, which combines at the
     destination); the other axes stay."""
     splits = [Split(d) for d, n in enumerate(meta.shape) if n > 0]
-    choices = [splits + [BROADCAST, s] if isinstance(s, Partial) else [s] for s in meta.sbp]
+    choices = [splits + [broadcast, s] if isinstance(s, Partial) else [s] for s in meta.sbp]
     return [r for r in itertools.product(*choices) if len({s.op for s in r if isinstance(s, Partial)}) <= 1]
 
 
@@ -146,11 +141,10 @@ def run_cross(local: torch.Tensor, plan: CrossPlan) -> torch.Tensor:
     """This rank's part of the destination layout of ``plan``, from its part ``local`` of the source layout
     (empty outside the source placement). Every rank of the world calls it; only ranks with a piece or a
     reduction step do any work."""
-    me = dist.get_rank()
     local = run_plan(local, plan.reduce)
     held = plan.src.with_sbp(plan.reduce.dst_sbp)
-    src_coord, dst_coord = plan.src.placement.coord_of(me), plan.dst.placement.coord_of(me)
+    src_coord, dst_coord = plan.src.placement.local_coord(), plan.dst.placement.local_coord()
     src_origin = box_of(held, src_coord)[0] if src_coord is not None else None
     dst_origin = box_of(plan.dst, dst_coord)[0] if dst_coord is not None else None
     out = _destination_part(local, plan, dst_coord)
-    return exchange(local, src_origin, plan.pieces, out, dst_origin, _COMBINE.get(plan.combine))
+    return send_pieces(local, src_origin, plan.pieces, out, dst_origin, _COMBINE.get(plan.combine))

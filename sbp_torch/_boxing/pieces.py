@@ -3,14 +3,13 @@
 A layout gives each rank a box of the logical tensor (or of one partial term of it). Moving to another layout
 (on the same placement or another) is a set of pieces: the intersections of the boxes held with the boxes
 needed. A rank that holds what it needs copies it locally; otherwise one of the holders sends it, the
-holders taking turns. ``exchange`` runs a set of pieces with point-to-point sends. Used by boxing across
+holders taking turns. ``send_pieces`` runs a set of pieces with point-to-point sends. Used by boxing across
 placements (``cross_placement.py``) and, on one N-D placement, by the planner when sending the pieces moves
 fewer bytes than any sequence of collectives (``plan.py``: a swap such as ``(S0, B) -> (B, S0)``).
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections import Counter
 from dataclasses import dataclass
@@ -18,10 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .. import _collectives as coll
-from .._layout import GlobalMeta
-from .._placement import placement as Placement
-from .._sbp import Partial, reduction_identity
+from .. import _comm as comm
+from .._layout import GlobalMeta, Partial, narrow_to, reduction_identity
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (starts, lengths) per tensor dim
 
@@ -47,12 +44,6 @@ class Piece:
         box = ", ".join(f"{s}:{s + n}" for s, n in zip(self.starts, self.lengths))
         how = "local copy" if self.is_local else "send"
         return f"rank {self.src} -> rank {self.dst}: [{box}] by {how}"
-
-
-
-
-def coords(p: Placement):
-    return itertools.product(*(range(n) for n in p.shape))
 
 
 def box_of(meta: GlobalMeta, coord: tuple[int, ...]) -> Box:
@@ -91,7 +82,7 @@ def holders(meta: GlobalMeta) -> dict[tuple[Box, tuple[int, ...]], list[int]]:
     is the coordinates on the partial axes: ranks that differ only on broadcast axes hold the same thing."""
     partial_axes = [a for a, s in enumerate(meta.sbp) if isinstance(s, Partial)]
     held: dict[tuple[Box, tuple[int, ...]], list[int]] = {}
-    for c in coords(meta.placement):
+    for c in meta.placement.coords():
         term = tuple(c[a] for a in partial_axes)
         held.setdefault((box_of(meta, c), term), []).append(meta.placement.rank_at(c))
     return held
@@ -102,7 +93,7 @@ def pieces_between(src: GlobalMeta, dst: GlobalMeta) -> tuple[Piece, ...]:
     held_by = holders(src)
     turns: Counter = Counter()  # remote sends served per held (box, term) so far: the holders take turns
     pieces = []
-    for c in coords(dst.placement):
+    for c in dst.placement.coords():
         if fill_of(dst, c) is not None:
             continue
         rank, need = dst.placement.rank_at(c), box_of(dst, c)
@@ -121,12 +112,10 @@ def pieces_between(src: GlobalMeta, dst: GlobalMeta) -> tuple[Piece, ...]:
 
 def cut(x: torch.Tensor, origin: tuple[int, ...], piece: Piece) -> torch.Tensor:
     """The view of ``x`` (a part whose box starts at ``origin``) that holds ``piece``."""
-    for d, (o, s, n) in enumerate(zip(origin, piece.starts, piece.lengths)):
-        x = x.narrow(d, s - o, n)
-    return x
+    return narrow_to(x, piece.starts, piece.lengths, origin)
 
 
-def exchange(local: torch.Tensor, src_origin, pieces: tuple[Piece, ...], out: torch.Tensor, dst_origin,
+def send_pieces(local: torch.Tensor, src_origin, pieces: tuple[Piece, ...], out: torch.Tensor, dst_origin,
              combine=None) -> torch.Tensor:
     """Run ``pieces``: this rank's local copies into ``out`` and its sends from ``local`` (whose box starts at
     ``src_origin``), then its receives into ``out`` (whose box starts at ``dst_origin``). ``combine(old, new)``
@@ -145,7 +134,7 @@ def exchange(local: torch.Tensor, src_origin, pieces: tuple[Piece, ...], out: to
             sends.append((cut(local, src_origin, piece), piece.dst, tag))
         elif piece.dst == me:
             arriving.append((piece, tag))
-    received = coll.send_recv(sends, [(p.lengths, p.src, tag) for p, tag in arriving], local)
+    received = comm.send_recv(sends, [(p.lengths, p.src, tag) for p, tag in arriving], local)
     for (piece, _), value in zip(arriving, received):
         place(piece, value)
     return out

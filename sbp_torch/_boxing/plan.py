@@ -18,19 +18,15 @@ as its bytes plus a latency per message.
 from __future__ import annotations
 
 import heapq
-import itertools
 import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .._layout import GlobalMeta
-from .._sbp import Broadcast, Partial, SbpType, Split
-from .pieces import Piece, box_of, coords, intersection, pieces_between
+from .._layout import GlobalMeta, Partial, SbpType, Split, broadcast
+from .pieces import Piece, box_of, intersection, pieces_between
 from .transitions import AxisView, transition
 
 POINT_TO_POINT = "send/recv"
-
-BROADCAST = Broadcast()
 
 
 # What one collective call costs beyond the bytes it moves, expressed in bytes per participating rank: its
@@ -122,7 +118,7 @@ def _candidates(meta: GlobalMeta, dst: tuple[SbpType, ...]) -> list[SbpType]:
     ops = sorted({s.op for s in meta.sbp + dst if isinstance(s, Partial)})
     ends = {s.dim for s in meta.sbp + dst if isinstance(s, Split)}
     dims = [d for d in range(len(meta.shape)) if meta.shape[d] > 0 or d in ends]
-    return [BROADCAST] + [Split(d) for d in dims] + [Partial(op) for op in ops]
+    return [broadcast] + [Split(d) for d in dims] + [Partial(op) for op in ops]
 
 
 def _commutes(cur: tuple[SbpType, ...], axis: int, s: SbpType, t: SbpType) -> bool:
@@ -137,7 +133,7 @@ def _step(at: GlobalMeta, axis: int, t: SbpType) -> BoxingStep:
     one decision's candidates share most of their steps)."""
     s = at.sbp[axis]
     row = transition(s, t)
-    coords = itertools.product(*(range(n) for n in at.placement.shape))
+    coords = at.placement.coords()
     sent = round(sum(row.sent(s, t, axis_view(at, axis, c)) for c in coords) * at.dtype.itemsize)
     ranks = len(at.placement.flat_ranks) if not row.is_local and at.placement.shape[axis] > 1 else 0
     return BoxingStep(axis, s, t, row.collective, sent, sent + ranks * LATENCY_BYTES_PER_RANK)
@@ -202,7 +198,7 @@ def _deficit_bound(meta: GlobalMeta, goal: tuple) -> int:
     """A lower bound of the point-to-point step's cost: every rank receives at least what it needs and does
     not hold, in at least one message."""
     target, total, receivers = meta.with_sbp(goal), 0, 0
-    for c in coords(meta.placement):
+    for c in meta.placement.coords():
         need = box_of(target, c)
         common = intersection(box_of(meta, c), need)
         missing = math.prod(need[1]) - (math.prod(common[1]) if common else 0)

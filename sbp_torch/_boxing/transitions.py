@@ -20,10 +20,9 @@ from typing import Callable
 
 import torch
 
-from .. import _collectives as coll
-from .._layout import balanced_part, balanced_sizes
-from .._process_groups import AxisGroup
-from .._sbp import Broadcast, Partial, SbpType, Split, reduction_identity
+from .. import _comm as comm
+from .._comm import AxisGroup
+from .._layout import Broadcast, Partial, SbpType, Split, balanced_part, balanced_sizes, reduction_identity
 
 
 @dataclass(frozen=True)
@@ -81,12 +80,12 @@ TABLE: dict[tuple[type, type], Transition] = {
     (Split, Broadcast): Transition(
         "all-gather",
         lambda s, t, v: v.local_numel * (v.parts - 1),
-        lambda x, s, t, v, g: coll.all_gather(x, s.dim, v.sizes(s.dim), g),
+        lambda x, s, t, v, g: comm.all_gather(x, s.dim, v.sizes(s.dim), g),
     ),
     (Split, Split): Transition(
         "all-to-all",
         lambda s, t, v: v.local_numel * (1 - _share(v, t.dim)),
-        lambda x, s, t, v, g: coll.all_to_all(x, t.dim, s.dim, v.sizes(t.dim), v.sizes(s.dim), g),
+        lambda x, s, t, v, g: comm.all_to_all(x, t.dim, s.dim, v.sizes(t.dim), v.sizes(s.dim), g),
     ),
     (Split, Partial): Transition(
         "local fill",
@@ -106,12 +105,12 @@ TABLE: dict[tuple[type, type], Transition] = {
     (Partial, Broadcast): Transition(
         "all-reduce",
         lambda s, t, v: 2 * v.local_numel * (v.parts - 1) / v.parts,
-        lambda x, s, t, v, g: coll.all_reduce(x, s.op, g),
+        lambda x, s, t, v, g: comm.all_reduce(x, s.op, g),
     ),
     (Partial, Split): Transition(
         "reduce-scatter",
         lambda s, t, v: v.local_numel * (1 - _share(v, t.dim)),
-        lambda x, s, t, v, g: coll.reduce_scatter(x, s.op, t.dim, v.sizes(t.dim), g),
+        lambda x, s, t, v, g: comm.reduce_scatter(x, s.op, t.dim, v.sizes(t.dim), g),
     ),
 }
 

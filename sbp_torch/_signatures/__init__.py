@@ -1,4 +1,7 @@
-"""The signature table: one module per op family; importing them fills the registry in ``core``."""
+"""The signature table: one module per op family; importing them fills the registry in ``core``.
+
+A pure table: rules see only metadata, local functions only their ``LocalContext``.
+"""
 
 from . import (  # noqa: F401  (registration by import)
     convolution,
@@ -6,7 +9,6 @@ from . import (  # noqa: F401  (registration by import)
     factory,
     foreach,
     indexing,
-    kernels,
     matmul,
     normalization,
     pointwise,
@@ -15,6 +17,17 @@ from . import (  # noqa: F401  (registration by import)
     softmax_loss,
     views,
 )
-from .core import RULES, rule_for
+from .core import RULES, LocalContext, OpCall, Rule, Signature, TensorInfo, register, rule_for
+from .reductions import norm_statistic
 
-__all__ = ["RULES", "rule_for"]
+__all__ = [
+    "RULES",
+    "LocalContext",
+    "OpCall",
+    "Rule",
+    "Signature",
+    "TensorInfo",
+    "norm_statistic",
+    "register",
+    "rule_for",
+]

@@ -5,13 +5,13 @@ For ``convolution(input [N, Cin, ...], weight, bias [Cout]?)`` (weight [Cout, Ci
 
     batch:        input S(0), weight B, bias B            → S(0)     any groups
     out-channel:  input B, weight S(Cout dim), bias S(0)  → S(1)     groups == 1
-    in-channel:   input S(1), weight S(Cin dim), bias B   → P(sum)   groups == 1, kernel "bias_once"
-    linear:       input P, weight B, bias B (or B, P, B)  → P(sum)   kernel "bias_once"
+    in-channel:   input S(1), weight S(Cin dim), bias B   → P(sum)   groups == 1, local function "bias_once"
+    linear:       input P, weight B, bias B (or B, P, B)  → P(sum)   local function "bias_once"
     B → B
 
 The convolution is linear in input and weight, so partial sums stay partial; the bias, which must be added
-once, is added only by the rank at coordinate 0 of the axes that make the output partial (kernel
-"bias_once"). A split of a spatial dim needs halos from the neighbours and is left to boxing. Every split must leave each
+once, is added only by the rank at coordinate 0 of the axes that make the output partial (local
+function "bias_once"). A split of a spatial dim needs halos from the neighbours and is left to boxing. Every split must leave each
 rank at least one channel (or sample), checked per N-D signature: torch's convolution mishandles empty
 channel parts, and one rank failing would leave the others waiting in the next collective.
 
@@ -28,9 +28,8 @@ channel parts, and one rank failing would leave the others waiting in the next c
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from .core import B, P, OpCall, S, Signature, every_split_part_nonempty, register
+from .core import B, P, LocalContext, OpCall, S, Signature, every_split_part_nonempty, register
 
 aten = torch.ops.aten
 
@@ -42,31 +41,31 @@ def _channel_dims(transposed: bool) -> tuple[int, int]:
     return (1, 0) if transposed else (0, 1)
 
 
-def _convolve_bias_once(func, ctx, args, kwargs) -> torch.Tensor:
-    """The convolution without bias, plus the bias on the rank at coordinate 0 of every kernel axis."""
-    x, weight, bias, *options = args
-    out = func(x, weight, None, *options)
-    coord = ctx.placement.coord_of(dist.get_rank())
-    if bias is not None and all(coord[a] == 0 for a in ctx.kernel_axes):
+def _convolve_bias_once(func, ctx: LocalContext) -> torch.Tensor:
+    """The convolution without bias, plus the bias on the rank at coordinate 0 of every axis of this local
+    function."""
+    bias = ctx.arguments["bias"]
+    out = ctx.call(func, bias=None)
+    if bias is not None and all(ctx.coord[a] == 0 for a in ctx.axes):
         out = out + bias.view(1, -1, *[1] * (out.dim() - 2))
     return out
 
 
-@register(aten.convolution, check_nd=every_split_part_nonempty, kernels={BIAS_ONCE: _convolve_bias_once})
+@register(aten.convolution, check_nd=every_split_part_nonempty, local_fns={BIAS_ONCE: _convolve_bias_once})
 def convolution(call: OpCall) -> list[Signature]:
     has_bias = len(call.inputs) == 3
     bias = lambda sbp: (sbp,) if has_bias else ()  # noqa: E731
-    partial_kernel = BIAS_ONCE if has_bias else None
+    bias_once = BIAS_ONCE if has_bias else None
     out_dim, in_dim = _channel_dims(call.arg("transposed", False))
     signatures = [Signature((S(0), B) + bias(B), (S(0),))]
     if call.arg("groups", 1) == 1:
         signatures += [
             Signature((B, S(out_dim)) + bias(S(0)), (S(1),)),
-            Signature((S(1), S(in_dim)) + bias(B), (P,), kernel=partial_kernel),
+            Signature((S(1), S(in_dim)) + bias(B), (P,), local_fn=bias_once),
         ]
     return signatures + [
-        Signature((P, B) + bias(B), (P,), kernel=partial_kernel),
-        Signature((B, P) + bias(B), (P,), kernel=partial_kernel),
+        Signature((P, B) + bias(B), (P,), local_fn=bias_once),
+        Signature((B, P) + bias(B), (P,), local_fn=bias_once),
         Signature((B, B) + bias(B), (B,)),
     ]
 

@@ -2,7 +2,7 @@
 
     weight B,    indices S(d) → S(d)        each rank looks up its own indices
     weight S(1), indices B    → S(last)     each rank holds some features of every row
-    weight S(0), indices B    → P(sum)      vocabulary-parallel, kernel "vocab": a rank looks up the indices
+    weight S(0), indices B    → P(sum)      vocabulary-parallel, local function "vocab": a rank looks up the indices
                                             in its row range and gives zeros for the others
     weight P,    indices B    → P           the lookup is linear in the weight
     B, B → B
@@ -11,7 +11,7 @@
 
     grad S(d), indices S(d) → P(sum)        (not with scale_grad_by_freq: frequencies are global)
     grad S(last), indices B → S(1)
-    grad B, indices B       → S(0)          kernel "vocab": each rank accumulates only its rows
+    grad B, indices B       → S(0)          local function "vocab": each rank accumulates only its rows
     grad P, indices B       → P
     B, B → B
 
@@ -23,56 +23,56 @@ of a large table, and a broadcast table gets its gradient gathered when it is ac
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from .core import B, P, OpCall, S, Signature, register
+from .core import B, P, LocalContext, OpCall, S, Signature, register
 
 aten = torch.ops.aten
 
 VOCAB = "vocab"
 
 
-def _rows(layout) -> tuple[int, int]:
+def _rows(ctx: LocalContext, layout) -> tuple[int, int]:
     """(first, count) of this rank's rows (dim 0) of a tensor laid out as ``layout``."""
-    starts, lengths = layout.region(layout.placement.coord_of(dist.get_rank()))
+    starts, lengths = ctx.region(layout)
     return starts[0], lengths[0]
 
 
-def _lookup_rows_in_range(func, ctx, args, kwargs) -> torch.Tensor:
+def _lookup_rows_in_range(func, ctx: LocalContext) -> torch.Tensor:
     """Lookup in this rank's rows of the table: indices outside them give zeros."""
-    weight, indices = args[0], args[1]
-    first, count = _rows(ctx.inputs[0])
+    weight, indices = ctx.arguments["weight"], ctx.arguments["indices"]
+    first, count = _rows(ctx, ctx.inputs[0])
     mine = (indices >= first) & (indices < first + count)
     if count == 0:
         return weight.new_zeros(indices.shape + weight.shape[1:])
-    found = func(weight, torch.where(mine, indices - first, 0))
+    found = ctx.call(func, indices=torch.where(mine, indices - first, 0))
     return torch.where(mine.unsqueeze(-1), found, 0)
 
 
-def _accumulate_rows_in_range(func, ctx, args, kwargs) -> torch.Tensor:
+def _accumulate_rows_in_range(func, ctx: LocalContext) -> torch.Tensor:
     """Gradient of this rank's rows of the table. Indices outside them (and the padding index) go to one
     extra row, which is the local padding row and is dropped afterwards."""
-    grad, indices, num_weights, padding_idx, scale_grad_by_freq = args
-    first, count = _rows(ctx.outputs[0])
-    mine = (indices >= first) & (indices < first + count) & (indices != padding_idx)
-    return func(grad, torch.where(mine, indices - first, count), count + 1, count, scale_grad_by_freq)[:count]
+    indices = ctx.arguments["indices"]
+    first, count = _rows(ctx, ctx.outputs[0])
+    mine = (indices >= first) & (indices < first + count) & (indices != ctx.arguments["padding_idx"])
+    local = torch.where(mine, indices - first, count)
+    return ctx.call(func, indices=local, num_weights=count + 1, padding_idx=count)[:count]
 
 
-@register(aten.embedding, kernels={VOCAB: _lookup_rows_in_range})
+@register(aten.embedding, local_fns={VOCAB: _lookup_rows_in_range})
 def embedding(call: OpCall) -> list[Signature]:
     weight, indices = call.inputs[0], call.inputs[1]
     out_last = indices.ndim
     signatures = [Signature((B, S(d)), (S(d),)) for d in range(indices.ndim)]
     signatures += [
         Signature((S(1), B), (S(out_last),)),
-        Signature((S(0), B), (P,), kernel=VOCAB),
+        Signature((S(0), B), (P,), local_fn=VOCAB),
         Signature((P, B), (P,)),
         Signature((B, B), (B,)),
     ]
     return signatures if weight.ndim == 2 else signatures[-1:]
 
 
-@register(aten.embedding_dense_backward, kernels={VOCAB: _accumulate_rows_in_range})
+@register(aten.embedding_dense_backward, local_fns={VOCAB: _accumulate_rows_in_range})
 def embedding_dense_backward(call: OpCall) -> list[Signature]:
     grad, indices = call.inputs
     signatures = []
@@ -80,7 +80,7 @@ def embedding_dense_backward(call: OpCall) -> list[Signature]:
         signatures += [Signature((S(d), S(d)), (P,)) for d in range(indices.ndim)]
     return signatures + [
         Signature((S(grad.ndim - 1), B), (S(1),)),
-        Signature((B, B), (S(0),), kernel=VOCAB),
+        Signature((B, B), (S(0),), local_fn=VOCAB),
         Signature((P, B), (P,)),
         Signature((B, B), (B,)),
     ]

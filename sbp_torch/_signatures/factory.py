@@ -8,7 +8,7 @@ The input's values are never read, so any layout of it is accepted as it is (no 
 * ``new_zeros``, ``new_ones``, ``new_empty``, ``new_full``, ``new_empty_strided`` make a tensor of the size
   they are given: broadcast, or, when that size is the input's shape, laid out like the input (autograd's
   ``new_empty_strided`` then ``copy_`` of a split gradient stays local). The split variant runs through a
-  kernel that passes the local size (and contiguous local strides).
+  local function that passes the local size (and contiguous local strides).
 
 Factories without a tensor argument (``zeros``, ``empty_strided``, ``scalar_tensor``, ...) never reach a
 global tensor's dispatch: ``sbp_torch.zeros`` and friends create global tensors.
@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .._global_tensor import contiguous_strides
-from .core import B, KernelContext, OpCall, S, Signature, register
-from .views import PARTIALS, local_output_shape, with_argument
+from .core import B, PARTIALS, LocalContext, OpCall, S, Signature, contiguous_strides, like_input, register
 
 aten = torch.ops.aten
 
@@ -34,27 +32,19 @@ NEW = [
 ]
 
 
-def like_input(call: OpCall, kernel: str | None = None) -> list[Signature]:
-    """S(d) -> S(d) for every dim, B -> B, every partial -> B."""
-    n_out = len(call.outputs)
-    splits = [Signature((S(d),), (S(d),) * n_out, kernel) for d in range(call.inputs[0].ndim)]
-    return splits + [Signature((s,), (B,) * n_out, kernel) for s in (B, *PARTIALS)]
-
-
 @register(*LIKE)
 def like(call: OpCall) -> list[Signature]:
     return like_input(call)
 
 
-def _local_size(func, ctx: KernelContext, args, kwargs):
-    shape = local_output_shape(ctx)
-    args, kwargs = with_argument(func, args, kwargs, "size", shape)
+def _local_size(func, ctx: LocalContext):
+    shape = ctx.local_output_shape()
     if func == aten.new_empty_strided.default:
-        args, kwargs = with_argument(func, args, kwargs, "stride", contiguous_strides(shape))
-    return func(*args, **kwargs)
+        return ctx.call(func, size=shape, stride=contiguous_strides(shape))
+    return ctx.call(func, size=shape)
 
 
-@register(*NEW, kernels={"local_size": _local_size})
+@register(*NEW, local_fns={"local_size": _local_size})
 def new(call: OpCall) -> list[Signature]:
     x, out = call.inputs[0], call.outputs[0]
     if out.shape == x.shape:

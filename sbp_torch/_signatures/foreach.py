@@ -1,18 +1,16 @@
 """``_foreach_*`` ops (the multi-tensor kernels that optimizers use).
 
 A foreach op applies one element-wise op to the tensors at each list index, and the tensors at different
-indices may have different layouts (a split weight, a broadcast bias). The dispatcher therefore runs a foreach
-call index by index (``split_foreach_call``); each single-index call is decided here like an element-wise op
-of equally shaped tensors, with the same partial kinds: sums of partial sums, scaling of a partial sum.
+indices may have different layouts (a split weight, a broadcast bias). The dispatcher therefore decides a
+foreach call index by index; each single-index call is decided here like an element-wise op of equally shaped
+tensors, with the same partial kinds: sums of partial sums, scaling of a partial sum.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .._sbp import Partial
-from .core import B, P, OpCall, S, Signature, register_family
-from .pointwise import operand_sbp
+from .core import B, P, OpCall, Partial, S, Signature, operand_sbp, register_family
 
 aten = torch.ops.aten
 
@@ -49,25 +47,6 @@ def is_foreach(func) -> bool:
 
 def _elementwise_foreach(func) -> bool:
     return is_foreach(func) and func._schema.name.split("::")[1] not in NOT_ELEMENTWISE
-
-
-def split_foreach_call(func, args, kwargs) -> list[tuple[tuple, dict]]:
-    """The single-index calls (args, kwargs) a foreach call is made of; lists become one-element lists."""
-    schema = func._schema.arguments
-    lengths = [len(a) for a, s in zip(args, schema) if str(s.type).startswith("List[")]
-    n = lengths[0] if lengths else 0
-
-    def at(value, s, i):
-        return [value[i]] if str(s.type).startswith("List[") and value is not None else value
-
-    names = {s.name: s for s in schema}
-    return [
-        (
-            tuple(at(a, s, i) for a, s in zip(args, schema)),
-            {k: at(v, names[k], i) for k, v in kwargs.items()},
-        )
-        for i in range(n)
-    ]
 
 
 @register_family(_elementwise_foreach)

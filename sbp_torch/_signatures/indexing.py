@@ -20,10 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .._sbp import Split
-from .core import B, P, P_MAX, P_MIN, OpCall, S, Signature, TensorInfo, register
-from .pointwise import operand_sbp
-from .views import PARTIALS
+from .core import B, P, P_MAX, P_MIN, PARTIALS, OpCall, S, Signature, Split, TensorInfo, operand_sbp, register
 
 aten = torch.ops.aten
 

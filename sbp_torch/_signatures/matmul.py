@@ -8,15 +8,14 @@ For ``mm(a[m, k], b[k, n])`` the valid 1-D signatures are:
     P·B → P, B·P → P  the product is linear in each factor
     B·B → B
 
-``bmm`` (and ``matmul`` of same-batch tensors, see ``_batched_matmul.py``) add batch dims; ``addmm``/``baddbmm`` add a bias that follows the product's layout.
+``bmm`` (and ``matmul`` of same-batch tensors, see ``_frontend/_batched_matmul.py``) add batch dims; ``addmm``/``baddbmm`` add a bias that follows the product's layout.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .core import B, P, OpCall, S, Signature, register
-from .pointwise import operand_sbp
+from .core import B, P, OpCall, S, Signature, operand_sbp, register
 
 aten = torch.ops.aten
 
@@ -48,7 +47,7 @@ def bmm(call: OpCall) -> list[Signature]:
 
 @register(aten.matmul)
 def batched_matmul(call: OpCall) -> list[Signature]:
-    """Same-batch-shape ``matmul`` of >= 3-D tensors, sent here whole by ``_batched_matmul.py``."""
+    """Same-batch-shape ``matmul`` of >= 3-D tensors, sent here whole by ``_frontend/_batched_matmul.py``."""
     a, b = call.inputs
     if a.ndim != b.ndim or a.ndim < 3 or a.shape[:-2] != b.shape[:-2]:
         return []

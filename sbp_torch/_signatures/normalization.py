@@ -11,8 +11,8 @@ statistic local, a split on a covered dim needs the statistics all-reduced.
 
 ``native_group_norm(input [N, C, ...], ..., N, C, HxW, group)``, statistics per sample and group:
 
-    input S(0), weight/bias B → out, mean, rstd S(0)        kernel "local_batch": N is this rank's rows
-    backward: grad, input, mean, rstd S(0) → grad_input S(0), grad_weight/grad_bias P(sum)  (same kernel)
+    input S(0), weight/bias B → out, mean, rstd S(0)        local function "local_batch": N is this rank's rows
+    backward: grad, input, mean, rstd S(0) → grad_input S(0), grad_weight/grad_bias P(sum)  (same local function)
 
 ``native_batch_norm(input [N, C, ...], weight, bias, running_mean, running_var, training)``, statistics per
 channel over every other dim:
@@ -21,10 +21,10 @@ channel over every other dim:
         only without running statistics: the op updates them in place, and a rank may only write the layout
         it was given (a boxed copy would lose the update).
     other splits:  input S(d), per-channel tensors B → out S(d); in evaluation the running statistics make it
-        local; in training kernel "sync_stats" all-reduces the per-channel sums (synchronized batch norm,
+        local; in training local function "sync_stats" all-reduces the per-channel sums (synchronized batch norm,
         save_mean/save_invstd B) and updates the broadcast running statistics alike on every rank.
     backward: the same layouts; in training a split of a covered dim all-reduces the two per-channel sums the
-        input gradient needs (kernel "sync_stats"), which makes grad_weight/grad_bias B; otherwise P(sum).
+        input gradient needs (local function "sync_stats"), which makes grad_weight/grad_bias B; otherwise P(sum).
 
 All: B → B. ``rms_norm`` decomposes into element-wise ops and ``mean.dim`` before it reaches dispatch.
 """
@@ -35,7 +35,7 @@ import math
 
 import torch
 
-from .core import B, P, OpCall, S, Signature, TensorInfo, every_split_part_nonempty, register
+from .core import B, P, LocalContext, OpCall, S, Signature, TensorInfo, every_split_part_nonempty, register
 
 aten = torch.ops.aten
 
@@ -77,28 +77,25 @@ def layer_norm_backward(call: OpCall) -> list[Signature]:
 # group norm
 
 
-def _with_local_batch(func, ctx, args, kwargs):
+def _with_local_batch(func, ctx: LocalContext):
     """The op with its batch-size argument ``N`` set to this rank's number of samples."""
-    names = [a.name for a in func._schema.arguments]
-    args = list(args)
-    args[names.index("N")] = args[names.index("input")].shape[0]
-    return func(*args, **kwargs)
+    return ctx.call(func, N=ctx.arguments["input"].shape[0])
 
 
-@register(aten.native_group_norm, kernels={LOCAL_BATCH: _with_local_batch})
+@register(aten.native_group_norm, local_fns={LOCAL_BATCH: _with_local_batch})
 def group_norm(call: OpCall) -> list[Signature]:
     affine = (B,) * (len(call.inputs) - 1)
     return [
-        Signature((S(0),) + affine, (S(0),) * 3, kernel=LOCAL_BATCH),
+        Signature((S(0),) + affine, (S(0),) * 3, local_fn=LOCAL_BATCH),
         Signature((B,) + affine, (B,) * 3),
     ]
 
 
-@register(aten.native_group_norm_backward, kernels={LOCAL_BATCH: _with_local_batch})
+@register(aten.native_group_norm_backward, local_fns={LOCAL_BATCH: _with_local_batch})
 def group_norm_backward(call: OpCall) -> list[Signature]:
     affine = (B,) * (len(call.inputs) - 4)
     return [
-        Signature((S(0),) * 4 + affine, _masked(call, (S(0), P, P)), kernel=LOCAL_BATCH),
+        Signature((S(0),) * 4 + affine, _masked(call, (S(0), P, P)), local_fn=LOCAL_BATCH),
         Signature((B,) * 4 + affine, _masked(call, (B, B, B))),
     ]
 
@@ -118,10 +115,12 @@ def _channel_view(v: torch.Tensor, ndim: int) -> torch.Tensor:
     return v.view(1, -1, *[1] * (ndim - 2))
 
 
-def _sync_batch_norm(func, ctx, args, kwargs):
-    """Batch norm in training with the covered dims split across ``ctx.kernel_axes``: per-channel sums
+def _sync_batch_norm(func, ctx: LocalContext):
+    """Batch norm in training with the covered dims split across ``ctx.axes``: per-channel sums
     all-reduced, running statistics (broadcast) updated alike on every rank."""
-    x, weight, bias, running_mean, running_var, _, momentum, eps = args
+    a = ctx.arguments
+    x, weight, bias, momentum, eps = a["input"], a["weight"], a["bias"], a["momentum"], a["eps"]
+    running_mean, running_var = a["running_mean"], a["running_var"]
     dims = _covered_dims(x.dim())
     count = math.prod(ctx.inputs[0].shape) // ctx.inputs[0].shape[1]
     mean = ctx.all_reduce(x.sum(dims)) / count
@@ -140,18 +139,20 @@ def _sync_batch_norm(func, ctx, args, kwargs):
     return out, mean, invstd
 
 
-def _evaluation_batch_norm(func, ctx, args, kwargs):
+def _evaluation_batch_norm(func, ctx: LocalContext):
     """Batch norm in evaluation. The CPU kernel returns empty save_mean/save_invstd where the meta kernel,
     which decides the output shapes, says [C]: return the statistics used, running mean and 1/sqrt(var + eps)."""
-    x, _, _, running_mean, running_var, _, _, eps = args
-    out, _, _ = func(*args, **kwargs)
-    return out, running_mean.clone(), (running_var + eps).rsqrt()
+    a = ctx.arguments
+    out, _, _ = ctx.call(func)
+    return out, a["running_mean"].clone(), (a["running_var"] + a["eps"]).rsqrt()
 
 
-def _sync_batch_norm_backward(func, ctx, args, kwargs):
+def _sync_batch_norm_backward(func, ctx: LocalContext):
     """Training-mode gradient with the covered dims split: the per-channel sums of the gradient and of the
     gradient times the normalized input are all-reduced; grad_weight/grad_bias are those sums."""
-    grad, x, weight, _, _, save_mean, save_invstd, _, _, mask = args
+    a = ctx.arguments
+    grad, x, weight, mask = a["grad_out"], a["input"], a["weight"], a["output_mask"]
+    save_mean, save_invstd = a["save_mean"], a["save_invstd"]
     dims = _covered_dims(x.dim())
     count = math.prod(ctx.inputs[1].shape) // ctx.inputs[1].shape[1]
     normalized = (x - _channel_view(save_mean, x.dim())) * _channel_view(save_invstd, x.dim())
@@ -164,7 +165,7 @@ def _sync_batch_norm_backward(func, ctx, args, kwargs):
     return tuple(g for g, wanted in zip((grad_input, grad_weight, grad_bias), mask) if wanted)
 
 
-@register(aten.native_batch_norm, check_nd=every_split_part_nonempty, kernels={SYNC_STATS: _sync_batch_norm, EVALUATION: _evaluation_batch_norm})
+@register(aten.native_batch_norm, check_nd=every_split_part_nonempty, local_fns={SYNC_STATS: _sync_batch_norm, EVALUATION: _evaluation_batch_norm})
 def batch_norm(call: OpCall) -> list[Signature]:
     x = call.inputs[0]
     per_channel = _present(call, PER_CHANNEL)
@@ -174,13 +175,13 @@ def batch_norm(call: OpCall) -> list[Signature]:
     signatures = []
     if not stats_written:
         channel_kernel = None if training else EVALUATION
-        signatures.append(Signature((S(1),) + (S(0),) * len(per_channel), (S(1), S(0), S(0)), kernel=channel_kernel))
+        signatures.append(Signature((S(1),) + (S(0),) * len(per_channel), (S(1), S(0), S(0)), local_fn=channel_kernel))
     for d in _covered_dims(x.ndim):
-        signatures.append(Signature((S(d),) + (B,) * len(per_channel), (S(d), B, B), kernel=kernel))
-    return signatures + [Signature((B,) * (1 + len(per_channel)), (B, B, B), kernel=None if training else EVALUATION)]
+        signatures.append(Signature((S(d),) + (B,) * len(per_channel), (S(d), B, B), local_fn=kernel))
+    return signatures + [Signature((B,) * (1 + len(per_channel)), (B, B, B), local_fn=None if training else EVALUATION)]
 
 
-@register(aten.native_batch_norm_backward, check_nd=every_split_part_nonempty, kernels={SYNC_STATS: _sync_batch_norm_backward})
+@register(aten.native_batch_norm_backward, check_nd=every_split_part_nonempty, local_fns={SYNC_STATS: _sync_batch_norm_backward})
 def batch_norm_backward(call: OpCall) -> list[Signature]:
     x = call.inputs[1]
     n = len(_present(call, PER_CHANNEL))
@@ -189,5 +190,5 @@ def batch_norm_backward(call: OpCall) -> list[Signature]:
     for d in _covered_dims(x.ndim):
         grads = (S(d), B, B) if training else (S(d), P, P)
         kernel = SYNC_STATS if training else None
-        signatures.append(Signature((S(d), S(d)) + (B,) * n, _masked(call, grads), kernel=kernel))
+        signatures.append(Signature((S(d), S(d)) + (B,) * n, _masked(call, grads), local_fn=kernel))
     return signatures + [Signature((B,) * (2 + n), _masked(call, (B, B, B)))]

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .._sbp import Partial
-from .core import B, P, OpCall, S, Signature, TensorInfo, register_family
+from .core import B, P, OpCall, Partial, S, Signature, TensorInfo, operand_sbp, register_family
 
 aten = torch.ops.aten
 
@@ -31,7 +30,7 @@ EXTRA_POINTWISE = {
     aten.alias.default,
     aten.lift_fresh.default,
     aten.contiguous.default if hasattr(aten, "contiguous") else aten.clone.default,
-    aten._conj.default,  # conj / neg views: their local parts are materialized (see _dispatch._wrap)
+    aten._conj.default,  # conj / neg views: their local parts are materialized (see GlobalTensor.__new__)
     aten._neg_view.default,
     aten.resolve_conj.default,
     aten.resolve_neg.default,
@@ -72,14 +71,6 @@ PARTIAL_KINDS = {
 
 def is_pointwise(func) -> bool:
     return torch.Tag.pointwise in func.tags or func in EXTRA_POINTWISE
-
-
-def operand_sbp(out_shape: tuple[int, ...], operand: TensorInfo, dim: int):
-    """The SBP an operand broadcast to ``out_shape`` needs so that the output can be split on ``dim``."""
-    operand_dim = dim - (len(out_shape) - operand.ndim)
-    if operand_dim < 0 or operand.shape[operand_dim] != out_shape[dim]:
-        return B
-    return S(operand_dim)
 
 
 def _tensor_slots_hold_globals(call: OpCall) -> bool:

@@ -3,8 +3,8 @@
 
 The logical random values do not depend on the world size, the placement or the SBPs: with the same seed on
 every rank, a dropout mask on a split tensor is the mask the same program draws on one rank. Every signature
-runs the kernel ``random``, which draws the logical tensor's values in this rank's region with
-``_random.random_region`` (CPU: the whole logical tensor from torch's generator, then the region; CUDA: a
+runs the local function ``random``, which draws the logical tensor's values in this rank's region with
+``LocalContext.draw`` (CPU: the whole logical tensor from torch's generator, then the region; CUDA: a
 counter-based stream evaluated on the region only) and computes the op from them:
 
 * ``rand_like``/``uniform_`` use uniform draws, ``randn_like``/``normal_`` normal ones (on CPU the values
@@ -20,17 +20,20 @@ partial-sum axis (zeros elsewhere); calls with an explicit ``generator`` take th
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from .._boxing.plan import plan_boxing
-from .._boxing.run import run_plan
-from .._layout import GlobalMeta
-from .._random import random_region
-from .._sbp import Partial
-from .core import B, KernelContext, OpCall, S, Signature, bind, register
-from .factory import like_input
-from .pointwise import operand_sbp
-from .views import PARTIALS
+from .core import (
+    B,
+    PARTIALS,
+    GlobalMeta,
+    LocalContext,
+    OpCall,
+    S,
+    Signature,
+    like_input,
+    operand_sbp,
+    partials_as_broadcast,
+    register,
+)
 
 aten = torch.ops.aten
 
@@ -48,68 +51,56 @@ DRAWS = {
 IN_PLACE = {aten.bernoulli_.float, aten.bernoulli_.Tensor, aten.normal_.default, aten.uniform_.default}
 
 
-def _without_partials(meta: GlobalMeta) -> GlobalMeta:
-    return meta.with_sbp(tuple(B if isinstance(s, Partial) else s for s in meta.sbp))
-
-
-def _draw(kind: str, meta: GlobalMeta, device) -> torch.Tensor:
-    """This rank's region of fresh random values of ``meta``'s shape (floating: ``meta``'s dtype, else the
-    default dtype), partial axes held whole."""
-    dtype = meta.dtype if meta.dtype.is_floating_point else torch.get_default_dtype()
-    drawn = GlobalMeta(meta.shape, dtype, meta.placement, _without_partials(meta).sbp)
-    starts, lengths = drawn.region(meta.placement.coord_of(dist.get_rank()))
-    return random_region(kind, drawn, starts, lengths, device)
-
-
-def _dropout(ctx: KernelContext, a: dict):
-    x, p, train = a["input"], a["p"], a["train"]
-    mask_meta = ctx.outputs[1]
-    if train is False:
-        return x.clone(), torch.ones_like(x, dtype=mask_meta.dtype)
-    keep = 1.0 - p
-    scale = 0.0 if keep == 0 else 1.0 / keep
-    mask = _draw("uniform", GlobalMeta(mask_meta.shape, x.dtype, ctx.placement, mask_meta.sbp), x.device) < keep
-    return x * mask * scale, mask.to(mask_meta.dtype)
-
-
-def _random(func, ctx: KernelContext, args, kwargs):
-    a = bind(func, args, kwargs)
+def _draw(func, ctx: LocalContext, device) -> torch.Tensor | None:
+    """This rank's region of the values the op draws (of the output's layout; a floating dtype, the
+    default one for other outputs), or None where it draws none (dropout in evaluation) or outside the
+    placement. Every rank calls it: drawing advances the generator."""
     if func == aten.native_dropout.default:
-        return _dropout(ctx, a)
-    kind, result = DRAWS[func]
-    out = ctx.outputs[0]
-    values = result(_draw(kind, out, args[0].device), a).to(out.dtype)
-    values = run_plan(values, plan_boxing(_without_partials(out), out.sbp))  # partial axes: made locally
-    return args[0].copy_(values) if func in IN_PLACE else values
-
-
-KERNELS = {"random": _random}
-
-
-def _advance_outside(func, ctx: KernelContext, a: dict) -> None:
-    """On a rank outside the placement: advance the generator by the draws the kernel makes inside it."""
-    if func == aten.native_dropout.default:
-        if a["train"] is False:
-            return
-        kind, meta = "uniform", ctx.outputs[1]
-        meta = GlobalMeta(meta.shape, a["input"].dtype, ctx.placement, meta.sbp)
+        if ctx.arguments["train"] is False:
+            return None
+        kind, meta, dtype = "uniform", ctx.outputs[1], ctx.arguments["input"].dtype
     else:
         kind, meta = DRAWS[func][0], ctx.outputs[0]
-    dtype = meta.dtype if meta.dtype.is_floating_point else torch.get_default_dtype()
-    random_region(kind, GlobalMeta(meta.shape, dtype, ctx.placement, meta.sbp), None, None, ctx.placement.device())
+        dtype = meta.dtype if meta.dtype.is_floating_point else torch.get_default_dtype()
+    return ctx.draw(kind, GlobalMeta(meta.shape, dtype, meta.placement, meta.sbp), device)
+
+
+def _random(func, ctx: LocalContext):
+    a = ctx.arguments
+    x = a["input"] if func == aten.native_dropout.default else a["self"]
+    drawn = _draw(func, ctx, x.device)
+    if func == aten.native_dropout.default:
+        mask_dtype = ctx.outputs[1].dtype
+        if drawn is None:
+            return x.clone(), torch.ones_like(x, dtype=mask_dtype)
+        keep = 1.0 - a["p"]
+        mask = drawn < keep
+        return x * mask * (0.0 if keep == 0 else 1.0 / keep), mask.to(mask_dtype)
+    out = ctx.outputs[0]
+    values = DRAWS[func][1](drawn, a).to(out.dtype)
+    values = ctx.box(values, out.with_sbp(partials_as_broadcast(out.sbp)), out.sbp)  # partial axes: made locally
+    return x.copy_(values) if func in IN_PLACE else values
+
+
+LOCAL_FNS = {"random": _random}
+
+
+def _advance_outside(func, ctx: LocalContext) -> None:
+    """On a rank outside the placement: advance the generator by the draws the ranks inside make."""
+    _draw(func, ctx, ctx.placement.device())
 
 
 def _uses_own_generator(call: OpCall) -> bool:
     return call.arg("generator") is not None
 
 
-@register(aten.rand_like.default, aten.randn_like.default, aten.bernoulli.p, kernels=KERNELS, outside=_advance_outside)
+@register(aten.rand_like.default, aten.randn_like.default, aten.bernoulli.p, local_fns=LOCAL_FNS, outside=_advance_outside)
 def fresh(call: OpCall) -> list[Signature]:
     """The input gives only the shape: its splits are kept, broadcast and partial inputs give B."""
     return [] if _uses_own_generator(call) else like_input(call, "random")
 
 
-@register(aten.bernoulli.default, kernels=KERNELS, outside=_advance_outside)
+@register(aten.bernoulli.default, local_fns=LOCAL_FNS, outside=_advance_outside)
 def bernoulli(call: OpCall) -> list[Signature]:
     """The input holds the probabilities: split or broadcast (a partial probability is no probability)."""
     if _uses_own_generator(call):
@@ -119,7 +110,7 @@ def bernoulli(call: OpCall) -> list[Signature]:
     ]
 
 
-@register(*IN_PLACE, kernels=KERNELS, outside=_advance_outside)
+@register(*IN_PLACE, local_fns=LOCAL_FNS, outside=_advance_outside)
 def fill_random(call: OpCall) -> list[Signature]:
     """In place: the tensor keeps its layout (partial too); a tensor ``p`` of ``bernoulli_`` broadcasts."""
     if _uses_own_generator(call):
@@ -132,7 +123,7 @@ def fill_random(call: OpCall) -> list[Signature]:
     return signatures + [Signature((s,) + (B,) * len(operands), (s,), "random") for s in (B, *PARTIALS)]
 
 
-@register(aten.native_dropout.default, kernels=KERNELS, outside=_advance_outside)
+@register(aten.native_dropout.default, local_fns=LOCAL_FNS, outside=_advance_outside)
 def native_dropout(call: OpCall) -> list[Signature]:
     """(output, mask): the output is linear in the input, so a partial input gives a partial output and a
     broadcast mask."""

@@ -3,20 +3,21 @@
 A split on a dim that is kept stays a split (renumbered when ``keepdim`` is False); broadcast stays
 broadcast. A split on a reduced dim gives what the table ``REDUCTIONS`` says:
 
-    op                          split of a reduced dim     partial input kept
-    sum, count_nonzero          P(sum)                      P(sum) (sum only)
-    mean                        P(sum), kernel "mean"       P(sum)
-    amax, max()                 P(max)                      P(max)
-    amin, min()                 P(min)                      P(min)
-    any                         P(max) (or)                 P(max) of bools
-    all                         P(min) (and)                P(min) of bools
-    linalg_vector_norm, norm    B, kernel "vector_norm"     -
+    op                          split of a reduced dim                  partial input kept
+    sum, count_nonzero          P(sum)                                  P(sum) (sum only)
+    mean                        P(sum), local function "mean"           P(sum)
+    amax, max()                 P(max)                                  P(max)
+    amin, min()                 P(min)                                  P(min)
+    any                         P(max) (or)                             P(max) of bools
+    all                         P(min) (and)                            P(min) of bools
+    linalg_vector_norm, norm    B, local function "vector_norm"         -
     max.dim, min.dim, argmax, argmin, prod, var, std, var_mean, std_mean, logsumexp, nansum: none (boxed)
 
-The "mean" kernel divides the local sum by the *logical* count of reduced elements, so the parts still sum to
-the mean. The "vector_norm" kernel all-reduces the local sums of ``|x|**ord`` (max/min of ``|x|`` for infinite
-orders, counts of non-zeros for order 0) over the splitting axes, then takes the root. Max/min reductions need
-every rank to hold at least one element of each reduced dim (``check_nd``): an empty max has no value.
+"mean" divides the local sum by the *logical* count of reduced elements, so the parts still sum to the mean.
+"vector_norm" combines the local norms as ``norm_statistic`` says (sums of ``|x|**ord``, the largest or
+smallest ``|x|`` for infinite orders, counts of non-zeros for order 0) over the splitting axes, then takes
+the root. Max/min reductions need every rank to hold at least one element of each reduced dim
+(``check_nd``): an empty max has no value.
 
 ``cumsum`` keeps a split on any dim but the scanned one, and a partial sum (it is linear).
 """
@@ -24,19 +25,19 @@ every rank to hold at least one element of each reduced dim (``check_nd``): an e
 from __future__ import annotations
 
 import math
+from typing import Callable, NamedTuple
 
 import torch
-from torch.fx.operator_schemas import normalize_function
 
-from .._sbp import Partial
-from .core import B, P, P_MAX, P_MIN, OpCall, S, Signature, register, smallest_part
+from .core import B, P, P_MAX, P_MIN, LocalContext, OpCall, Partial, S, Signature, register, smallest_part
 
 aten = torch.ops.aten
 
 MEAN = "mean"
 VECTOR_NORM = "vector_norm"
 
-# op -> (what a split of a reduced dim gives: a Partial, a kernel name or None; partials passed through)
+# op -> (what a split of a reduced dim gives: a Partial, a local function's name or None; partials passed
+# through)
 REDUCTIONS = {
     aten.sum.default: (P, (P,)),
     aten.sum.dim_IntList: (P, (P,)),
@@ -115,34 +116,49 @@ def _every_part_nonempty(call: OpCall, combo: tuple[Signature, ...]) -> bool:
     return all(smallest_part(call, combo, 0, d) > 0 for d in dims)
 
 
-def _mean(func, ctx, args, kwargs) -> torch.Tensor:
+def _mean(func, ctx: LocalContext) -> torch.Tensor:
     """Local sum / logical count: the parts are partial sums of the mean."""
-    a = normalize_function(func, args, kwargs, normalize_to_only_use_kwargs=True).kwargs
-    x = a["input"]
+    a = ctx.arguments
+    x = a["self"]
     dims = reduced_dims(a.get("dim"), x.dim())
     count = math.prod(ctx.inputs[0].shape[d] for d in dims)
     return x.sum(dims, a.get("keepdim", False), dtype=ctx.outputs[0].dtype).div_(count)
 
 
-def _vector_norm(func, ctx, args, kwargs) -> torch.Tensor:
-    """The norm over dims split across ``ctx.kernel_axes``: local power sums (or extremes), all-reduced."""
-    a = normalize_function(func, args, kwargs, normalize_to_only_use_kwargs=True).kwargs
-    x = a["input"] if a.get("dtype") is None else a["input"].to(a["dtype"])
-    dims, keepdim, order = reduced_dims(a.get("dim"), x.dim()), a.get("keepdim", False), _order(a)
-    magnitude = x.abs()
+class NormStatistic(NamedTuple):
+    """How vector norms of one order combine across the parts of a tensor: each part's norm becomes a
+    statistic (``of_norm``) that ``op`` combines across parts, and the combined statistic becomes the norm
+    (``to_norm``); ``empty`` is the statistic of a part with no element."""
+
+    of_norm: Callable
+    op: str
+    empty: float
+    to_norm: Callable
+
+
+def norm_statistic(order: float) -> NormStatistic:
+    """The ``NormStatistic`` of order ``order``: the largest or smallest magnitude for infinite orders, the
+    count of non-zeros for 0, else the sum of ``|x| ** order``."""
     if order == math.inf:
-        local, op = magnitude.amax(dims, keepdim), "max"
-    elif order == -math.inf:
-        local, op = magnitude.amin(dims, keepdim), "min"
-    elif order == 0:
-        local, op = (magnitude != 0).sum(dims, keepdim, dtype=magnitude.dtype), "sum"
-    else:
-        local, op = magnitude.pow(order).sum(dims, keepdim), "sum"
-    local = ctx.all_reduce(local, op)
-    return local if op != "sum" or order == 0 else local.pow(1.0 / order)
+        return NormStatistic(lambda n: n, "max", 0.0, lambda s: s)  # magnitudes are >= 0
+    if order == -math.inf:
+        return NormStatistic(lambda n: n, "min", math.inf, lambda s: s)
+    if order == 0:
+        return NormStatistic(lambda n: n, "sum", 0.0, lambda s: s)
+    return NormStatistic(lambda n: n.pow(order), "sum", 0.0, lambda s: s.pow(1.0 / order))
 
 
-@register(*REDUCTIONS, check_nd=_every_part_nonempty, kernels={MEAN: _mean, VECTOR_NORM: _vector_norm})
+def _vector_norm(func, ctx: LocalContext) -> torch.Tensor:
+    """The norm over dims split across ``ctx.axes``: local statistics all-reduced (``norm_statistic``)."""
+    a = ctx.arguments
+    x = a["self"] if a.get("dtype") is None else a["self"].to(a["dtype"])
+    dims, keepdim, order = reduced_dims(a.get("dim"), x.dim()), a.get("keepdim", False), _order(a)
+    statistic = norm_statistic(order)
+    local = statistic.of_norm(torch.linalg.vector_norm(x, order, dims, keepdim))
+    return statistic.to_norm(ctx.all_reduce(local, statistic.op))
+
+
+@register(*REDUCTIONS, check_nd=_every_part_nonempty, local_fns={MEAN: _mean, VECTOR_NORM: _vector_norm})
 def reduction(call: OpCall) -> list[Signature]:
     x = call.inputs[0]
     n_out = len(call.outputs)
@@ -157,9 +173,9 @@ def reduction(call: OpCall) -> list[Signature]:
         elif isinstance(split_gives, Partial):
             signatures.append(Signature((S(d),), (split_gives,) * n_out))
         elif split_gives == MEAN:
-            signatures.append(Signature((S(d),), (P,) * n_out, kernel=MEAN))
+            signatures.append(Signature((S(d),), (P,) * n_out, local_fn=MEAN))
         elif split_gives == VECTOR_NORM:
-            signatures.append(Signature((S(d),), (B,) * n_out, kernel=VECTOR_NORM))
+            signatures.append(Signature((S(d),), (B,) * n_out, local_fn=VECTOR_NORM))
     signatures.append(Signature((B,), (B,) * n_out))
     if call.func not in BOOL_ONLY_KEPT or x.dtype == torch.bool:
         signatures += [Signature((p,), (p,) * n_out) for p in kept]

@@ -3,7 +3,7 @@
 ``_softmax`` / ``_log_softmax`` over ``dim`` and their ``_backward_data`` ops:
 
     S(d), d != dim  → S(d)      rows are independent
-    S(dim)          → S(dim)    kernel "softmax": the row max (P(max)) and the sum of exponentials (P(sum)),
+    S(dim)          → S(dim)    local function "softmax": the row max (P(max)) and the sum of exponentials (P(sum)),
                                 and in the backward the row sum of the gradient terms, are all-reduced over
                                 the axes that split ``dim``; nothing of the size of the logits moves
     B               → B
@@ -12,17 +12,17 @@
 ``nll_loss_forward`` / ``nll_loss2d_forward`` (input [N, C, ...] or [C], target [N, ...] or []) → (loss,
 total_weight), and their backward (→ gradient of the input):
 
-    sample split: input S(d), target S(d') → loss S(d') (reduction none) or P(sum) (sum; mean through kernel
-        "nll", which divides the local sum by the total weight all-reduced over the sample-splitting axes);
+    sample split: input S(d), target S(d') → loss S(d') (reduction none) or P(sum) (sum; mean through local
+        function "nll", which divides the local sum by the total weight all-reduced over the sample-splitting axes);
         total weight P(sum) (sum) or B (mean);
-    class split: input S(1), target B, class weights B → loss P(sum), total weight B; kernel "nll": a rank
+    class split: input S(1), target B, class weights B → loss P(sum), total weight B; local function "nll": a rank
         keeps the targets in its class range (shifted to local classes; the others become ignored) and its
         slice of the class weights, so each sample's term comes from exactly one rank; the total weight is
         computed from the full target. This is vocabulary-parallel cross entropy: logits split over the
         vocabulary are never gathered, forward or backward.
 
 ``mse_loss`` (equal shapes) and its backward: S(d) everywhere → S(d) (none), P(sum) (sum), or P(sum) for mean
-through kernel "mse_mean", which divides the local sum by the logical element count.
+through local function "mse_mean", which divides the local sum by the logical element count.
 """
 
 from __future__ import annotations
@@ -30,12 +30,8 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
-from torch.fx.operator_schemas import normalize_function
 
-from .._layout import GlobalMeta
-from .._sbp import Split
-from .core import B, P, OpCall, S, Signature, register
+from .core import B, P, GlobalMeta, LocalContext, OpCall, S, Signature, Split, register
 
 aten = torch.ops.aten
 
@@ -44,19 +40,15 @@ SOFTMAX, NLL, MSE_MEAN = "softmax", "nll", "mse_mean"
 LOG_SOFTMAX_OPS = {aten._log_softmax.default, aten._log_softmax_backward_data.default}
 
 
-def _arguments(func, args, kwargs) -> dict:
-    """The op's arguments by schema name, defaults filled in (``self`` is called ``input``)."""
-    return normalize_function(func, args, kwargs, normalize_to_only_use_kwargs=True).kwargs
-
-
 # ---------------------------------------------------------------------------------------------------------
 # softmax and log-softmax
 
 
-def _softmax(func, ctx, args, kwargs) -> torch.Tensor:
-    """(Log-)softmax over a dim split across ``ctx.kernel_axes``: global row max and sum of exponentials."""
-    x, dim, half_to_float = args
-    x = x.float() if half_to_float else x
+def _softmax(func, ctx: LocalContext) -> torch.Tensor:
+    """(Log-)softmax over a dim split across ``ctx.axes``: global row max and sum of exponentials."""
+    a = ctx.arguments
+    x, dim = a["self"], a["dim"]
+    x = x.float() if a["half_to_float"] else x
     dim %= x.dim()
     if x.shape[dim]:
         row_max = x.amax(dim, keepdim=True)
@@ -69,9 +61,10 @@ def _softmax(func, ctx, args, kwargs) -> torch.Tensor:
     return shifted.exp() / sum_exp
 
 
-def _softmax_backward(func, ctx, args, kwargs) -> torch.Tensor:
+def _softmax_backward(func, ctx: LocalContext) -> torch.Tensor:
     """Gradient of (log-)softmax over a split dim: the row sums it needs are all-reduced."""
-    grad, out, dim, input_dtype = args
+    a = ctx.arguments
+    grad, out, dim, input_dtype = a["grad_output"], a["output"], a["dim"], a["input_dtype"]
     if func is aten._log_softmax_backward_data.default:
         row_sum = ctx.all_reduce(grad.sum(dim, keepdim=True))
         return (grad - out.exp() * row_sum).to(input_dtype)
@@ -79,19 +72,19 @@ def _softmax_backward(func, ctx, args, kwargs) -> torch.Tensor:
     return (out * (grad - row_sum)).to(input_dtype)
 
 
-@register(aten._softmax, aten._log_softmax, kernels={SOFTMAX: _softmax})
+@register(aten._softmax, aten._log_softmax, local_fns={SOFTMAX: _softmax})
 def softmax(call: OpCall) -> list[Signature]:
     ndim = call.inputs[0].ndim
     dim = call.bound["dim"] % max(ndim, 1)
-    signatures = [Signature((S(d),), (S(d),), kernel=SOFTMAX if d == dim else None) for d in range(ndim)]
+    signatures = [Signature((S(d),), (S(d),), local_fn=SOFTMAX if d == dim else None) for d in range(ndim)]
     return signatures + [Signature((B,), (B,))]
 
 
-@register(aten._softmax_backward_data, aten._log_softmax_backward_data, kernels={SOFTMAX: _softmax_backward})
+@register(aten._softmax_backward_data, aten._log_softmax_backward_data, local_fns={SOFTMAX: _softmax_backward})
 def softmax_backward(call: OpCall) -> list[Signature]:
     ndim = call.inputs[0].ndim
     dim = call.bound["dim"] % max(ndim, 1)
-    signatures = [Signature((S(d), S(d)), (S(d),), kernel=SOFTMAX if d == dim else None) for d in range(ndim)]
+    signatures = [Signature((S(d), S(d)), (S(d),), local_fn=SOFTMAX if d == dim else None) for d in range(ndim)]
     return signatures + [Signature((B, B), (B,)), Signature((P, B), (P,))]
 
 
@@ -111,7 +104,7 @@ def _local_targets(ctx, layout: GlobalMeta, a: dict) -> tuple[torch.Tensor, torc
     target, weight, ignore = a["target"], a["weight"], a["ignore_index"]
     if not any(isinstance(s, Split) and s.dim == class_dim for s in layout.sbp):
         return target, weight, ignore
-    starts, lengths = layout.region(ctx.placement.coord_of(dist.get_rank()))
+    starts, lengths = ctx.region(layout)
     first, count = starts[class_dim], lengths[class_dim]
     mine = (target >= first) & (target < first + count) & (target != ignore)
     local_weight = None if weight is None else weight[first : first + count]
@@ -119,16 +112,16 @@ def _local_targets(ctx, layout: GlobalMeta, a: dict) -> tuple[torch.Tensor, torc
 
 
 def _sample_axes(ctx) -> list[int]:
-    """Kernel axes that split a sample dim (not the class dim): their ranks hold different samples."""
+    """The local function's axes that split a sample dim (not the class dim): their ranks hold different samples."""
     class_dim = _class_dim(len(ctx.inputs[0].shape))
-    return [a for a in ctx.kernel_axes if isinstance(s := ctx.inputs[0].sbp[a], Split) and s.dim != class_dim]
+    return [a for a in ctx.axes if isinstance(s := ctx.inputs[0].sbp[a], Split) and s.dim != class_dim]
 
 
-def _nll_forward(func, ctx, args, kwargs):
+def _nll_forward(func, ctx: LocalContext):
     """The local picks (of this rank's classes and samples); for mean, divided by the total weight of the
-    samples over the sample-splitting kernel axes (computed from the targets, which hold every class)."""
-    a = _arguments(func, args, kwargs)
-    x, reduction = a["input"], a["reduction"]
+    samples over the sample-splitting axes (computed from the targets, which hold every class)."""
+    a = ctx.arguments
+    x, reduction = a["self"], a["reduction"]
     target, weight, ignore = _local_targets(ctx, ctx.inputs[0], a)
     if reduction == NONE:
         return func(x, target, weight, NONE, ignore)
@@ -142,13 +135,12 @@ def _nll_forward(func, ctx, args, kwargs):
     return (loss / total if reduction == MEAN else loss), total
 
 
-def _nll_backward(func, ctx, args, kwargs):
-    a = _arguments(func, args, kwargs)
-    target, weight, ignore = _local_targets(ctx, ctx.inputs[1], a)
-    return func(a["grad_output"], a["input"], target, weight, a["reduction"], ignore, a["total_weight"])
+def _nll_backward(func, ctx: LocalContext):
+    target, weight, ignore = _local_targets(ctx, ctx.inputs[1], ctx.arguments)
+    return ctx.call(func, target=target, weight=weight, ignore_index=ignore)
 
 
-@register(aten.nll_loss_forward, aten.nll_loss2d_forward, kernels={NLL: _nll_forward})
+@register(aten.nll_loss_forward, aten.nll_loss2d_forward, local_fns={NLL: _nll_forward})
 def nll_loss(call: OpCall) -> list[Signature]:
     ndim, reduction = call.inputs[0].ndim, call.bound["reduction"]
     class_dim = _class_dim(ndim)
@@ -164,12 +156,12 @@ def nll_loss(call: OpCall) -> list[Signature]:
         elif reduction == SUM:
             signatures.append(Signature(inputs, (P, P)))
         else:
-            signatures.append(Signature(inputs, (P, B), kernel=NLL))
-    signatures.append(Signature((S(class_dim), B) + weight, (P, B), kernel=NLL))
+            signatures.append(Signature(inputs, (P, B), local_fn=NLL))
+    signatures.append(Signature((S(class_dim), B) + weight, (P, B), local_fn=NLL))
     return signatures + [Signature((B, B) + weight, (B, B))]
 
 
-@register(aten.nll_loss_backward, aten.nll_loss2d_backward, kernels={NLL: _nll_backward})
+@register(aten.nll_loss_backward, aten.nll_loss2d_backward, local_fns={NLL: _nll_backward})
 def nll_loss_backward(call: OpCall) -> list[Signature]:
     ndim, reduction = call.inputs[1].ndim, call.bound["reduction"]
     class_dim = _class_dim(ndim)
@@ -183,7 +175,7 @@ def nll_loss_backward(call: OpCall) -> list[Signature]:
         signatures.append(Signature((grad_sbp, S(d), target_sbp) + weight + (B,), (S(d),)))
         if reduction == SUM:  # the total weight is not used: leave it partial
             signatures.append(Signature((grad_sbp, S(d), target_sbp) + weight + (P,), (S(d),)))
-    signatures.append(Signature((B, S(class_dim), B) + weight + (B,), (S(class_dim),), kernel=NLL))
+    signatures.append(Signature((B, S(class_dim), B) + weight + (B,), (S(class_dim),), local_fn=NLL))
     return signatures + [Signature((B, B, B) + weight + (B,), (B,))]
 
 
@@ -191,16 +183,12 @@ def nll_loss_backward(call: OpCall) -> list[Signature]:
 # mean squared error
 
 
-def _mse_mean(func, ctx, args, kwargs):
+def _mse_mean(func, ctx: LocalContext):
     """Sum-reduced local loss (or its gradient) divided by the logical element count."""
-    a = _arguments(func, args, kwargs)
-    count = math.prod(ctx.inputs[-1].shape)
-    if func is aten.mse_loss.default:
-        return func(a["input"], a["target"], SUM) / count
-    return func(a["grad_output"], a["input"], a["target"], SUM) / count
+    return ctx.call(func, reduction=SUM) / math.prod(ctx.inputs[-1].shape)
 
 
-@register(aten.mse_loss, kernels={MSE_MEAN: _mse_mean})
+@register(aten.mse_loss, local_fns={MSE_MEAN: _mse_mean})
 def mse_loss(call: OpCall) -> list[Signature]:
     x, target = call.inputs
     signatures = [Signature((B, B), (B,))]
@@ -211,11 +199,11 @@ def mse_loss(call: OpCall) -> list[Signature]:
         if reduction == NONE:
             signatures.append(Signature((S(d), S(d)), (S(d),)))
         else:
-            signatures.append(Signature((S(d), S(d)), (P,), kernel=MSE_MEAN if reduction == MEAN else None))
+            signatures.append(Signature((S(d), S(d)), (P,), local_fn=MSE_MEAN if reduction == MEAN else None))
     return signatures
 
 
-@register(aten.mse_loss_backward, kernels={MSE_MEAN: _mse_mean})
+@register(aten.mse_loss_backward, local_fns={MSE_MEAN: _mse_mean})
 def mse_loss_backward(call: OpCall) -> list[Signature]:
     grad, x, target = call.inputs
     signatures = [Signature((B, B, B), (B,))]
@@ -226,5 +214,5 @@ def mse_loss_backward(call: OpCall) -> list[Signature]:
         if reduction == NONE:
             signatures.append(Signature((S(d), S(d), S(d)), (S(d),)))
         else:
-            signatures.append(Signature((B, S(d), S(d)), (S(d),), kernel=MSE_MEAN if reduction == MEAN else None))
+            signatures.append(Signature((B, S(d), S(d)), (S(d),), local_fn=MSE_MEAN if reduction == MEAN else None))
     return signatures

@@ -20,38 +20,17 @@ balanced uneven parts (5 rows of 4 on 2 ranks: 12 and 8 elements) the runs do no
 of the output (20 elements on 2 ranks: 10 and 10), so uneven splits survive only unchanged dims.
 
 Ops that take a size (``view``, ``expand``, ``slice_backward``, ...) or that squeeze by size run through
-kernels that hand the local op the local sizes; ``view`` reshapes, because the local part of a view of a
+local functions that hand the local op the local sizes; ``view`` reshapes, because the local part of a view of a
 transposed tensor need not be viewable even where the logical tensor (always contiguous to torch) is.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from .._sbp import Split
-from .core import B, P, P_MAX, P_MIN, KernelContext, OpCall, S, Signature, register
+from .core import LocalContext, OpCall, S, Signature, Split, pass_through, register
 
 aten = torch.ops.aten
-PARTIALS = (P, P_MAX, P_MIN)
-
-
-def local_output_shape(ctx: KernelContext, index: int = 0) -> tuple[int, ...]:
-    """The shape of this rank's part of output ``index``."""
-    return ctx.outputs[index].local_shape(ctx.placement.coord_of(dist.get_rank()))
-
-
-def with_argument(func, args, kwargs, name: str, value):
-    """``(args, kwargs)`` with the schema argument ``name`` set to ``value``."""
-    position = [a.name for a in func._schema.arguments].index(name)
-    if position < len(args):
-        return tuple(args[:position]) + (value,) + tuple(args[position + 1 :]), kwargs
-    return args, {**kwargs, name: value}
-
-
-def pass_through(n_in: int, n_out: int, kernel: str | None = None) -> list[Signature]:
-    """``B -> B`` and each partial to itself, for every input and output."""
-    return [Signature((s,) * n_in, (s,) * n_out, kernel) for s in (B, *PARTIALS)]
 
 
 def _norm(dim: int, ndim: int) -> int:
@@ -211,7 +190,7 @@ def _exact_view_splits(call: OpCall, combo: tuple[Signature, ...]) -> bool:
     return True
 
 
-# op -> (kept dims, kernel or None). Ops with a kernel take sizes that must be the local ones.
+# op -> (kept dims, local function or None). Ops with one take sizes that must be the local ones.
 SINGLE_INPUT_VIEWS = {
     aten.t.default: (_t, None),
     aten.transpose.int: (_transpose, None),
@@ -238,7 +217,7 @@ SINGLE_INPUT_VIEWS = {
 }
 VIEWS = {aten.view.default, aten._unsafe_view.default, aten._reshape_alias.default}
 
-# The size argument that a "local_size" kernel replaces with the local output shape.
+# The size argument that the local function "local_size" replaces with the local output shape.
 SIZE_ARGUMENT = {
     aten.expand.default: "size",
     aten.slice_backward.default: "input_sizes",
@@ -247,37 +226,35 @@ SIZE_ARGUMENT = {
 }
 
 
-def _local_size(func, ctx: KernelContext, args, kwargs):
-    args, kwargs = with_argument(func, args, kwargs, SIZE_ARGUMENT[func], local_output_shape(ctx))
-    return func(*args, **kwargs)
+def _local_size(func, ctx: LocalContext):
+    return ctx.call(func, **{SIZE_ARGUMENT[func]: ctx.local_output_shape()})
 
 
-def _local_squeeze(func, ctx: KernelContext, args, kwargs):
+def _local_squeeze(func, ctx: LocalContext):
     # A split dim of logical size > 1 may have a local size of 1: squeeze only the logical size-1 dims.
-    bound = dict(zip([a.name for a in func._schema.arguments], args), **kwargs)
-    return aten.squeeze.dims(args[0], squeezed_dims(func, ctx.inputs[0].shape, bound))
+    return aten.squeeze.dims(ctx.arguments["self"], squeezed_dims(func, ctx.inputs[0].shape, ctx.arguments))
 
 
-def _reshape(func, ctx: KernelContext, args, kwargs):
-    return args[0].reshape(local_output_shape(ctx))
+def _reshape(func, ctx: LocalContext):
+    return ctx.arguments["self"].reshape(ctx.local_output_shape())
 
 
-KERNELS = {"local_size": _local_size, "squeeze": _local_squeeze, "reshape": _reshape}
+LOCAL_FNS = {"local_size": _local_size, "squeeze": _local_squeeze, "reshape": _reshape}
 
 
-def _one_input(call: OpCall, kept: dict[int, int], kernel: str | None) -> list[Signature]:
+def _one_input(call: OpCall, kept: dict[int, int], local_fn: str | None) -> list[Signature]:
     n_out = len(call.outputs)
-    splits = [Signature((S(d),), (S(e),) * n_out, kernel) for d, e in kept.items()]
-    return splits + pass_through(1, n_out, kernel)
+    splits = [Signature((S(d),), (S(e),) * n_out, local_fn) for d, e in kept.items()]
+    return splits + pass_through(1, n_out, local_fn)
 
 
-@register(*SINGLE_INPUT_VIEWS, kernels=KERNELS)
+@register(*SINGLE_INPUT_VIEWS, local_fns=LOCAL_FNS)
 def single_input_view(call: OpCall) -> list[Signature]:
-    kept, kernel = SINGLE_INPUT_VIEWS[call.func]
-    return _one_input(call, kept(call), kernel)
+    kept, local_fn = SINGLE_INPUT_VIEWS[call.func]
+    return _one_input(call, kept(call), local_fn)
 
 
-@register(*VIEWS, check_nd=_exact_view_splits, kernels=KERNELS)
+@register(*VIEWS, check_nd=_exact_view_splits, local_fns=LOCAL_FNS)
 def view(call: OpCall) -> list[Signature]:
     return _one_input(call, _view(call), "reshape")
 

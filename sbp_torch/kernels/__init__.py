@@ -2,7 +2,8 @@
 
 Each op has a pure-PyTorch reference implementation (the one that runs on CPU, equal to the unfused
 expression it replaces), a fake implementation for tracing, an autograd formula, and an SBP rule
-(``sbp_torch/_signatures/kernels.py``) so it runs on global tensors. See docs/kernels.md.
+(``_rules.py``, registered in the signature table on import) so it runs on global tensors. See
+docs/kernels.md.
 """
 
 from ._bias_dropout_add import bias_dropout_add
@@ -11,6 +12,8 @@ from ._cross_entropy import cross_entropy
 from ._cuda import enable_cuda_kernels
 from ._norms import layer_norm, rms_norm
 from ._softmax import scale_mask_softmax
+
+from . import _rules  # noqa: F401  (registers the ops' signature rules)
 
 __all__ = [
     "bias_dropout_add",

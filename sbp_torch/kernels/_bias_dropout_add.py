@@ -1,6 +1,6 @@
 """``bias_dropout_add(x, bias, residual, p)``: ``dropout(x + bias, p) + residual`` as one op.
 
-The dropout mask follows the project's randomness rule (``sbp_torch._random``): element ``i`` is kept when
+The dropout mask follows the project's randomness rule (``sbp_torch/_layout/_random.py``): element ``i`` is kept when
 the ``i``-th uniform draw of a fresh random tensor of the logical shape is ``< 1 - p``, so the logical result
 does not depend on how the tensor is split (CPU: ``torch.rand`` of the logical shape; CUDA: offset-based
 Philox). The op returns ``(out, mask)``; the mask is kept for the backward.
@@ -8,22 +8,15 @@ Philox). The op returns ``(out, mask)``; the mask is kept for the backward.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 
-from .._random import random_region
+from .._layout import random_region
 from ._library import check_last_dim_param, leading_dims
 
 
-def draw_keep(shape, dtype, device, p: float, starts=None, lengths=None, meta=None) -> torch.Tensor:
-    """The keep mask (``u < 1 - p``) of the region ``starts``/``lengths`` of a logical ``shape`` (whole
-    tensor by default); advances the generator as one draw of the logical shape."""
-    if meta is None:
-        meta = SimpleNamespace(shape=tuple(shape), dtype=dtype, numel=int(torch.Size(shape).numel()))
-    if starts is None:
-        starts, lengths = (0,) * len(shape), tuple(shape)
-    return random_region("uniform", meta, starts, lengths, device) < 1.0 - p
+def draw_keep(shape, dtype, device, p: float) -> torch.Tensor:
+    """The keep mask (``u < 1 - p``) of a fresh uniform draw of ``shape``."""
+    return random_region("uniform", tuple(shape), dtype, (0,) * len(shape), tuple(shape), device) < 1.0 - p
 
 
 def apply_mask(x, bias, residual, keep, p: float) -> torch.Tensor:

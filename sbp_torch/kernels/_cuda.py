@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _cuda_extensions
+from . import _extension
 from ._bias_dropout_add import draws
 from ._cross_entropy import reduce_loss, row_weights
 
@@ -22,7 +22,7 @@ FAST = (torch.float32, torch.float16, torch.bfloat16)
 
 def load_extension(verbose: bool = False):
     """The compiled kernels: prebuilt if installed, else built now from the source tree (needs nvcc)."""
-    return _cuda_extensions.load("_kernels_cuda", verbose)
+    return _extension.load("_kernels_cuda", verbose)
 
 
 def enable_cuda_kernels(verbose: bool = False) -> None:

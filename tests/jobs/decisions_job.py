@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 import sbp_torch as st
-from sbp_torch import _select
+from sbp_torch._dispatch import CALLS
 from sbp_torch.sbp import broadcast, partial_sum, split
 
 
@@ -31,8 +31,8 @@ def main():
         loss.backward()
         optimizer.step()
     mine = [
-        f"{key[0]} -> {d if isinstance(d, str) else (d.signatures, d.input_sbps)}"
-        for key, d in _select._decisions.items()
+        f"{entry.func} -> {(entry.decision.signatures, entry.decision.input_sbps) if hasattr(entry, 'decision') else entry}"
+        for entry in CALLS.entries()
     ]
     everyone = [None, None]
     dist.all_gather_object(everyone, mine)

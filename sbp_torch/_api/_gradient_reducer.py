@@ -1,0 +1,135 @@
+"""Gradient policy of modules laid out with ``Module.to_global``: gradients laid out like their parameters,
+reduced in buckets.
+
+A broadcast parameter used with split activations gets a partial-sum gradient. When a gradient is
+accumulated into ``.grad`` it is boxed to ``gradient_sbp(param.sbp)`` (the parameter's own layout for split
+and broadcast parameters), so optimizers see gradients laid out like their parameters. Gradients whose
+boxing is only all-reduces (the data-parallel case) or one reduce-scatter (a partial gradient of a split
+parameter: sharded data parallelism, ZeRO / FSDP style) are bucketed: they are combined into buffers of up to
+``bucket_mb`` megabytes per (placement, dtype, route) and reduced with one collective per buffer, when the
+buffer is full or at the end of backward. All-reduce buckets start asynchronously, so they overlap the rest of
+backward; reduce-scatter buckets run when they are started.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .. import _comm as comm
+from .._boxing import axis_view, box_local, plan_boxing
+from .._tensor import GlobalTensor, gradient_sbp
+
+
+class GradientReducer:
+    """Boxes each accumulated gradient to ``gradient_sbp(param.sbp)``, bucketing all-reduce-only routes and
+    single reduce-scatters.
+
+    A bucket that fills during backward starts its all-reduce at once (asynchronously) and backward goes on;
+    at the end of backward the remaining buckets start, then every bucket is waited for in the order it
+    started (the same on every rank) and its gradients take their reduced values. A reduce-scatter bucket
+    runs (synchronously) when it is started, in the same order.
+    """
+
+    def __init__(self, params: list[nn.Parameter], bucket_mb: float):
+        self.bucket_bytes = int(bucket_mb * 2**20)
+        self.buckets: dict = {}
+        self.in_flight: list = []
+        self.flush_queued = False
+        for param in params:
+            param.register_post_accumulate_grad_hook(self._on_accumulated)
+
+    def _on_accumulated(self, param: nn.Parameter) -> None:
+        grad = param.grad
+        target = gradient_sbp(param.sbp)
+        if not isinstance(grad, GlobalTensor) or grad.sbp == target:
+            return
+        plan = plan_boxing(grad._meta, target)
+        scatter = len(plan.steps) == 1 and plan.steps[0].collective == "reduce-scatter"
+        if not scatter and not all(step.collective == "all-reduce" for step in plan.steps):
+            param.grad = GlobalTensor(box_local(grad._local, grad._meta, target), grad._meta.with_sbp(target))
+            return
+        route = tuple((s.axis, s.src) for s in plan.steps)
+        # all-reduce buckets share a target layout; reduce-scatter buckets mix them (each part is cut alone)
+        key = (grad.placement, grad.dtype, route, "reduce-scatter" if scatter else target)
+        bucket = self.buckets.setdefault(key, [])
+        bucket.append(param)
+        if sum(p.grad._local.numel() for p in bucket) * grad.dtype.itemsize >= self.bucket_bytes:
+            self._start(key)
+        if not self.flush_queued:
+            self.flush_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_all)
+
+    def _start(self, key) -> None:
+        """Start the first all-reduce of bucket ``key``; the later axes (N-D placements) run when finished.
+        A reduce-scatter bucket runs now."""
+        params = self.buckets.pop(key, [])
+        if not params:
+            return
+        placement, _, steps, target = key
+        if target == "reduce-scatter":
+            _reduce_scatter_bucket(params, placement, *steps[0])
+            return
+        flat = torch.cat([p.grad._local.reshape(-1) for p in params])
+        finish = None
+        if placement.local_coord() is not None:
+            axis, src = steps[0]
+            finish = comm.start_all_reduce(flat, src.op, comm.axis_group(placement, axis))
+        self.in_flight.append((key, params, flat, finish))
+
+    def _finish_all(self) -> None:
+        self.flush_queued = False
+        for key in list(self.buckets):  # insertion order: the same on every rank
+            self._start(key)
+        in_flight, self.in_flight = self.in_flight, []
+        for (placement, _, steps, target), params, flat, finish in in_flight:
+            if finish is not None:
+                flat = finish()
+                for axis, src in steps[1:]:
+                    flat = comm.all_reduce(flat, src.op, comm.axis_group(placement, axis))
+            offset = 0
+            for p in params:
+                local = p.grad._local
+                part = flat[offset : offset + local.numel()].view(local.shape)
+                offset += local.numel()
+                p.grad = GlobalTensor(part, p.grad._meta.with_sbp(target))
+
+
+def _reduce_scatter_bucket(params: list, placement, axis: int, src) -> None:
+    """One reduce-scatter on ``axis`` for the partial gradients of ``params``, each to its own split.
+
+    Each gradient is cut along its target's split dim into the axis' parts (uneven ones included); the buffer
+    holds, for each coordinate along the axis in turn, the parts that coordinate keeps, of every gradient,
+    padded to the longest such segment. After the reduce-scatter, this rank's segment is cut back into its
+    parts of each gradient."""
+    coord = placement.local_coord()
+    if coord is None:  # not a rank of the placement: nothing held, nothing to reduce
+        for p in params:
+            target = gradient_sbp(p.sbp)
+            meta = p.grad._meta.with_sbp(target)
+            p.grad = GlobalTensor(p.grad._local.new_empty(meta.local_shape(coord)), meta)
+        return
+    n = placement.shape[axis]
+    segments: list[list[torch.Tensor]] = [[] for _ in range(n)]
+    kept = []  # per gradient: the shape of this rank's part, with the split dim first
+    for p in params:
+        grad, dim = p.grad, gradient_sbp(p.sbp)[axis].dim
+        sizes = axis_view(grad._meta, axis, coord).sizes(dim)
+        rows = grad._local.movedim(dim, 0)
+        for index, part in enumerate(rows.split(sizes)):
+            segments[index].append(part.reshape(-1))
+        kept.append((dim, (sizes[coord[axis]], *rows.shape[1:])))
+    flat = [torch.cat(parts) for parts in segments]
+    longest = max(f.numel() for f in flat)
+    buffer = flat[0].new_zeros((n, longest))
+    for index, f in enumerate(flat):
+        buffer[index, : f.numel()] = f
+    mine = comm.reduce_scatter(buffer, src.op, 0, [1] * n, comm.axis_group(placement, axis))[0]
+    offset = 0
+    for p, (dim, shape) in zip(params, kept):
+        count = math.prod(shape)
+        local = mine[offset : offset + count].view(shape).movedim(0, dim).contiguous()
+        offset += count
+        p.grad = GlobalTensor(local, p.grad._meta.with_sbp(gradient_sbp(p.sbp)))

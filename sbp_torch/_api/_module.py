@@ -1,0 +1,90 @@
+"""``nn.Module.to_global``: lay out a model's parameters and buffers; their gradients are reduced by
+``GradientReducer``.
+
+A module's tensors are taken as the *full logical values* (every rank built the same model; where ranks
+differ, the values of the placement's first rank win). So ``split(0)`` keeps one balanced part per rank of
+each parameter, whatever its size. This differs on purpose from ``Tensor.to_global`` on a local tensor, where
+a split tensor is *one part* of a bigger logical tensor: a model is written for the logical shapes.
+
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from .._layout import Placement, broadcast, normalize_sbp
+from .._tensor import GlobalTensor
+from ._gradient_reducer import GradientReducer
+from ._to_global import to_global
+
+
+def _pattern_specificity(pattern: str) -> tuple[int, int]:
+    """Exact names beat patterns; then the pattern with more literal characters."""
+    wild = sum(pattern.count(c) for c in "*?[")
+    return (wild == 0, len(pattern) - wild)
+
+
+def sbp_for(name: str, tensor: torch.Tensor, sbp, placement: Placement):
+    """The SBP of the module tensor ``name`` under the plan ``sbp`` (one SBP, a pattern dict, a callable)."""
+    if callable(sbp) and not isinstance(sbp, Mapping):
+        chosen = sbp(name, tensor)
+    elif isinstance(sbp, Mapping):
+        matches = [p for p in sbp if fnmatch.fnmatchcase(name, p)]
+        if matches:
+            chosen = sbp[max(matches, key=_pattern_specificity)]  # max keeps the first of equals: dict order
+        else:
+            chosen = (broadcast,) * placement.ndim
+    else:
+        chosen = sbp
+    try:
+        return normalize_sbp(chosen, placement, tensor.dim(), tensor.dtype)
+    except (ValueError, TypeError) as err:
+        raise type(err)(f"module tensor {name!r} of shape {tuple(tensor.shape)}: {err}") from err
+
+
+def _globalize(name: str, tensor: torch.Tensor, placement: Placement, sbp, memo: dict) -> torch.Tensor:
+    if id(tensor) in memo:  # tied parameters stay tied
+        return memo[id(tensor)]
+    sbp = sbp_for(name, tensor, sbp, placement)
+    replicated = to_global(tensor.detach(), placement, (broadcast,) * placement.ndim)
+    value = replicated.to_global(sbp=sbp).detach()
+    if isinstance(tensor, nn.Parameter):
+        value = nn.Parameter(value, requires_grad=tensor.requires_grad)
+    memo[id(tensor)] = value
+    return value
+
+
+def module_to_global(module: nn.Module, placement: Placement, sbp=None, *, bucket_mb: float = 25.0) -> nn.Module:
+    """Lay out every parameter and buffer of ``module`` on ``placement``, in place; returns ``module``.
+
+    Args:
+        placement: where the tensors live.
+        sbp: one SBP (or tuple, one per placement axis) for every tensor; or a dict from glob patterns on
+            the dotted tensor names (``"blocks.*.mlp.up.weight"``) to SBPs, where the most specific match wins
+            and unmatched tensors are broadcast; or a callable ``(name, tensor) -> sbp``. Default: broadcast.
+        bucket_mb: size of the buckets in which all-reduced gradients are combined.
+    """
+    if not isinstance(placement, Placement):
+        raise TypeError(f"placement must be an sbp_torch.placement, got {type(placement).__name__}")
+    if sbp is None:
+        sbp = (broadcast,) * placement.ndim
+    memo: dict = {}
+    params = []
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        for kind in ("_parameters", "_buffers"):
+            table = getattr(sub, kind)
+            for name, tensor in list(table.items()):
+                if tensor is None or isinstance(tensor, GlobalTensor):
+                    continue
+                full_name = f"{prefix}.{name}" if prefix else name
+                new = _globalize(full_name, tensor, placement, sbp, memo)
+                table[name] = new
+                if isinstance(new, nn.Parameter) and new.requires_grad and all(new is not p for p in params):
+                    params.append(new)
+    if params:
+        GradientReducer(params, bucket_mb)
+    return module

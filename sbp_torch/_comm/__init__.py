@@ -1,0 +1,32 @@
+"""Communication on ``torch.distributed``: the process groups of placement axes, collectives along one axis
+(uneven parts included), point-to-point exchanges, and the metadata agreement that lets every rank raise the
+same error before any data moves."""
+
+from ._agreement import agree
+from ._collectives import (
+    CollectiveError,
+    all_gather,
+    all_reduce,
+    all_to_all,
+    broadcast,
+    reduce_scatter,
+    send_recv,
+    start_all_reduce,
+)
+from ._groups import AxisGroup, axis_group, ensure_groups, forget_groups
+
+__all__ = [
+    "AxisGroup",
+    "CollectiveError",
+    "agree",
+    "all_gather",
+    "all_reduce",
+    "all_to_all",
+    "axis_group",
+    "broadcast",
+    "ensure_groups",
+    "forget_groups",
+    "reduce_scatter",
+    "send_recv",
+    "start_all_reduce",
+]

@@ -1,0 +1,38 @@
+"""Check that every rank passed the same metadata, before any data moves.
+
+Mismatched placements, SBPs or dtypes would make ranks issue different collectives and hang. One exchange over
+the default process group lets every rank see what the others passed, so all of them raise the same error.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from ._collectives import CollectiveError
+
+
+def agree(what: str, agreed, local_shape: tuple[int, ...], check: bool) -> list[tuple[int, ...]]:
+    """All-gather ``(agreed, local_shape)`` over the world; return every rank's shape.
+
+    Args:
+        what: the call being checked, for the error message.
+        agreed: a picklable value that every rank must have passed identically (only compared when ``check``).
+        local_shape: this rank's shape, which may differ between ranks.
+    Raises:
+        ValueError on every rank, naming the ranks that disagree with rank 0.
+    """
+    gathered = [None] * dist.get_world_size()
+    try:
+        dist.all_gather_object(gathered, (agreed, tuple(local_shape)))
+    except RuntimeError as err:  # a peer died, or never called the same function
+        raise CollectiveError(
+            f"{what}: the metadata exchange over all {len(gathered)} ranks failed (every rank must make the same "
+            f"call); this rank passed {agreed} with local shape {tuple(local_shape)}: {err}"
+        ) from err
+    if check:
+        first = gathered[0][0]
+        differing = {r: got for r, (got, _) in enumerate(gathered) if got != first}
+        if differing:
+            lines = "\n".join(f"  rank {r}: {got}" for r, got in differing.items())
+            raise ValueError(f"{what}: ranks passed different metadata; rank 0 passed {first}, but\n{lines}")
+    return [shape for _, shape in gathered]

@@ -1,0 +1,265 @@
+"""Collectives along one placement axis, in the axis' coordinate order, for uneven parts too; and the
+point-to-point exchange that boxing across placements uses.
+
+Every collective takes an ``AxisGroup`` and works on ``torch.distributed`` only. Where gloo lacks an uneven
+collective (all-gather of unequal parts), the same bytes go through ``all_to_all_single``. A failing or
+timed-out collective raises ``CollectiveError`` saying what was being waited for.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from ._groups import AxisGroup
+
+# torch 2.13 renamed all_gather_into_tensor; keep working on 2.11.
+_all_gather_even = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_even = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out; the message names the collective, the ranks and the tensor."""
+
+
+# dtypes gloo cannot carry, each sent as a wider dtype that holds all its values exactly (so sums, maxima and
+# minima are those of the narrow values; a narrowing cast back wraps integer sums as the narrow type would).
+_WIDER_ON_WIRE = {
+    torch.int16: torch.int32,
+    torch.uint16: torch.int32,
+    torch.uint32: torch.int64,
+    **{
+        getattr(torch, name): torch.float32
+        for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+        if hasattr(torch, name)
+    },
+}
+
+
+def _on_wire(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in a dtype every backend can send and reduce: bools as bytes (max/min stay or/and), complex
+    numbers as pairs of reals, uint64 as int64 bits (sums wrap alike; max/min are refused), narrow types
+    gloo lacks widened."""
+    if x.dtype == torch.bool:
+        return x.view(torch.uint8)
+    if x.is_complex():
+        return torch.view_as_real(x.resolve_conj())
+    if x.dtype == torch.uint64:
+        return x.view(torch.int64)
+    if x.dtype in _WIDER_ON_WIRE:
+        return x.to(_WIDER_ON_WIRE[x.dtype])
+    return x
+
+
+def _off_wire(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if dtype == torch.bool:
+        return x.view(torch.bool)
+    if dtype.is_complex:
+        return torch.view_as_complex(x.contiguous())
+    if dtype == torch.uint64:
+        return x.view(torch.uint64)
+    if dtype in _WIDER_ON_WIRE:
+        return x.to(dtype)
+    return x
+
+
+def _run(what: str, group: AxisGroup, tensor: torch.Tensor, call):
+    try:
+        return call()
+    except RuntimeError as err:  # gloo reports timeouts and peer failures as RuntimeError
+        raise CollectiveError(
+            f"{what} on {group.describe()} (this rank is index {group.index}) for a {tuple(tensor.shape)} "
+            f"{tensor.dtype} tensor failed while waiting for the other ranks: {err}"
+        ) from err
+
+
+def _to_group_order(group: AxisGroup, items: list) -> list:
+    return [items[c] for c in group.coord_of_group_rank]
+
+
+def _from_group_order(group: AxisGroup, items: list) -> list:
+    out = [None] * group.size
+    for g, c in enumerate(group.coord_of_group_rank):
+        out[c] = items[g]
+    return out
+
+
+def _broadcast(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+    """The group's index-0 value of ``x`` on every rank; returns a new tensor."""
+    out = x.contiguous().clone()
+    src = group.ranks[0]
+    _run("broadcast", group, x, lambda: dist.broadcast(out, src, group.process_group))
+    return out
+
+
+def _all_gather(x: torch.Tensor, dim: int, sizes: list[int], group: AxisGroup) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` in axis order; ``sizes[i]`` is rank i's extent of ``dim``."""
+    rows = x.movedim(dim, 0).contiguous()
+    if len(set(sizes)) == 1:
+        out = rows.new_empty((sizes[0] * group.size, *rows.shape[1:]))
+        _run("all-gather", group, x, lambda: _all_gather_even(out, rows, group.process_group))
+        parts = _from_group_order(group, list(out.chunk(group.size)))
+    else:
+        per_row = math.prod(rows.shape[1:])
+        received = rows.new_empty(sum(sizes) * per_row)
+        recv_counts = _to_group_order(group, [s * per_row for s in sizes])
+        send = rows.reshape(-1).repeat(group.size)
+        _run(
+            "all-gather (uneven, as all-to-all)",
+            group,
+            x,
+            lambda: dist.all_to_all_single(
+                received, send, recv_counts, [rows.numel()] * group.size, group.process_group
+            ),
+        )
+        flat_parts = _from_group_order(group, list(received.split(recv_counts)))
+        parts = [p.view(s, *rows.shape[1:]) for p, s in zip(flat_parts, sizes)]
+        out = received.view(sum(sizes), *rows.shape[1:])
+    if dim == 0 and group.in_rank_order:
+        return out  # the parts arrived end to end in row order: the buffer is the result
+    return torch.cat([p.movedim(0, dim) for p in parts], dim=dim)  # contiguous, as the global stride says
+
+
+def _reduce_scatter(x: torch.Tensor, op: str, dim: int, sizes: list[int], group: AxisGroup) -> torch.Tensor:
+    """Reduce ``x`` over the group with ``op`` and keep this rank's part ``sizes[index]`` along ``dim``.
+
+    One tensor-form reduce-scatter: gloo runs the list form as one all-reduce per part. Unequal parts are
+    padded to the largest. The padding rows are left as they are: a reduction is element-wise, so whatever
+    they hold only reaches rows that are dropped. Equal parts of dim 0 in group order need no buffer at all."""
+    rows = x.movedim(dim, 0)
+    largest = max(sizes)
+    if dim == 0 and min(sizes) == largest and group.in_rank_order and x.is_contiguous():
+        send = x
+    else:
+        send = rows.new_empty((largest * group.size, *rows.shape[1:]))
+        for slot, part in enumerate(_to_group_order(group, list(rows.split(sizes)))):
+            send[slot * largest : slot * largest + part.shape[0]].copy_(part)
+    out = rows.new_empty((largest, *rows.shape[1:]))
+    _run(
+        f"reduce-scatter({op})",
+        group,
+        x,
+        lambda: _reduce_scatter_even(out, send, _REDUCE_OPS[op], group.process_group),
+    )
+    return out[: sizes[group.index]].movedim(0, dim).contiguous()  # as the global stride says
+
+
+def _all_to_all(
+    x: torch.Tensor, split_dim: int, cat_dim: int, send_sizes: list[int], recv_sizes: list[int], group: AxisGroup
+) -> torch.Tensor:
+    """Re-split: cut ``x`` along ``split_dim`` into ``send_sizes`` (part i goes to rank i), and concatenate
+    the parts received along ``cat_dim``, where rank i's part has extent ``recv_sizes[i]``."""
+    send_flat, in_counts = _send_buffer(x, split_dim, send_sizes, group)
+    recv_shapes = []
+    for size in recv_sizes:
+        shape = list(x.shape)
+        shape[split_dim] = send_sizes[group.index]
+        shape[cat_dim] = size
+        recv_shapes.append(shape)
+    recv_counts = [torch.Size(s).numel() for s in recv_shapes]
+    received = x.new_empty(sum(recv_counts))
+    out_counts = _to_group_order(group, recv_counts)
+    _run(
+        "all-to-all",
+        group,
+        x,
+        lambda: dist.all_to_all_single(received, send_flat, out_counts, in_counts, group.process_group),
+    )
+    if cat_dim == 0 and group.in_rank_order:  # the parts arrived end to end in row order: the buffer is the result
+        shape = list(recv_shapes[0])
+        shape[0] = sum(s[0] for s in recv_shapes)
+        return received.view(shape)
+    parts = _from_group_order(group, list(received.split(out_counts)))
+    return torch.cat([p.view(s) for p, s in zip(parts, recv_shapes)], dim=cat_dim)
+
+
+def _send_buffer(x: torch.Tensor, split_dim: int, sizes: list[int], group: AxisGroup) -> tuple[torch.Tensor, list]:
+    """``x`` cut along ``split_dim`` into ``sizes`` (part i for rank i), laid end to end in group order in one
+    flat buffer, with one copy at most (none when ``x`` already is that buffer); and the part sizes."""
+    parts = _to_group_order(group, list(x.split(sizes, dim=split_dim)))
+    counts = [p.numel() for p in parts]
+    if split_dim == 0 and group.in_rank_order and x.is_contiguous():
+        return x.reshape(-1), counts
+    flat = x.new_empty(sum(counts))
+    offset = 0
+    for part, n in zip(parts, counts):
+        flat[offset : offset + n].view(part.shape).copy_(part)
+        offset += n
+    return flat, counts
+
+
+def _refuse_unreducible(what: str, x: torch.Tensor, ops: list[str]) -> None:
+    if x.dtype == torch.uint64 and any(op in ("max", "min") for op in ops):
+        raise TypeError(f"{what}: no backend reduces uint64 by max or min")
+
+
+def _keeping_dtype(impl):
+    def wrapper(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        group = args[-1]
+        if group.size == 1:  # one part is the whole: nothing to exchange (and no process group to use)
+            return x.clone()
+        _refuse_unreducible(impl.__name__.lstrip("_"), x, [a for a in args if isinstance(a, str)])
+        return _off_wire(impl(_on_wire(x), *args, **kwargs), x.dtype)
+
+    wrapper.__doc__ = impl.__doc__
+    wrapper.__name__ = impl.__name__.lstrip("_")
+    return wrapper
+
+
+broadcast = _keeping_dtype(_broadcast)
+all_gather = _keeping_dtype(_all_gather)
+reduce_scatter = _keeping_dtype(_reduce_scatter)
+all_to_all = _keeping_dtype(_all_to_all)
+
+
+def send_recv(
+    sends: list[tuple[torch.Tensor, int, int]], recvs: list[tuple[tuple[int, ...], int, int]], like: torch.Tensor
+) -> list[torch.Tensor]:
+    """Point-to-point over the default group: send each ``(tensor, to rank, tag)`` and receive each
+    ``(shape, from rank, tag)`` as a tensor of ``like``'s dtype and device; returns the received tensors.
+
+    Everything is posted before anything is waited for, so the order of the lists cannot deadlock. A rank with
+    nothing to send or receive returns at once. Dtypes gloo lacks travel as on the collectives.
+    """
+    ops = [dist.P2POp(dist.isend, _on_wire(t).contiguous(), peer, tag=tag) for t, peer, tag in sends]
+    buffers = [_on_wire(like.new_empty(shape)) for shape, _, _ in recvs]
+    ops += [dist.P2POp(dist.irecv, buf, peer, tag=tag) for buf, (_, peer, tag) in zip(buffers, recvs)]
+    if ops:
+        try:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        except RuntimeError as err:
+            to, source = sorted({peer for _, peer, _ in sends}), sorted({peer for _, peer, _ in recvs})
+            raise CollectiveError(
+                f"point-to-point exchange on rank {dist.get_rank()} (sending to ranks {to}, receiving from ranks "
+                f"{source}) of {like.dtype} pieces failed while waiting for the other ranks: {err}"
+            ) from err
+    return [_off_wire(buf, like.dtype) for buf in buffers]
+
+
+def all_reduce(x: torch.Tensor, op: str, group: AxisGroup) -> torch.Tensor:
+    """Element-wise ``op`` of ``x`` over the group; returns a new tensor."""
+    return start_all_reduce(x, op, group)()
+
+
+def start_all_reduce(x: torch.Tensor, op: str, group: AxisGroup):
+    """Begin ``all_reduce(x, op, group)`` without waiting; returns ``finish()``, which waits and returns the
+    result (a new tensor). Lets gradient buckets reduce while backward goes on."""
+    if group.size == 1:  # one part is the whole: nothing to exchange (and no process group to use)
+        return lambda: x.clone()
+    _refuse_unreducible("all_reduce", x, [op])
+    wire = _on_wire(x)
+    out = wire.contiguous().clone()
+    work = _run(
+        f"all-reduce({op})", group, x, lambda: dist.all_reduce(out, _REDUCE_OPS[op], group.process_group, async_op=True)
+    )
+
+    def finish() -> torch.Tensor:
+        _run(f"all-reduce({op})", group, x, work.wait)
+        return _off_wire(out, x.dtype)
+
+    return finish

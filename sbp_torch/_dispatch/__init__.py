@@ -1,0 +1,24 @@
+"""Dispatch: how an aten op on global tensors runs (bind, cache, decide, plan, run, fallback, foreach,
+in-place views). ``dispatch`` is the handler of ``GlobalTensor.__torch_dispatch__``."""
+
+from ._bound import BoundCall, at, by_name, find_tensors, substitute
+from ._cache import CacheInfo, LruCache
+from ._dispatcher import CALLS, MixedTensorError, dispatch, recording
+from ._modes import implicit_broadcast, set_strict, strict
+
+__all__ = [
+    "CALLS",
+    "BoundCall",
+    "CacheInfo",
+    "LruCache",
+    "MixedTensorError",
+    "at",
+    "by_name",
+    "find_tensors",
+    "dispatch",
+    "implicit_broadcast",
+    "recording",
+    "set_strict",
+    "strict",
+    "substitute",
+]

@@ -1,0 +1,172 @@
+"""A call plan: a decision compiled for one call key, and how it runs.
+
+The plan says where the global tensors sit among the arguments, the boxing plan of each, and what to
+return; a repeated call runs it without binding, searching or planning anything. Running it: box each global
+input to its decided layout (nothing when it already has it), run the op (or the signature's local function)
+on the local parts, and wrap the outputs with the decided metadata; in-place and ``out=`` ops return the
+tensors they wrote. Ranks outside the placement run no op: they return empty parts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .. import _comm as comm
+from .._boxing import box_local, plan_boxing, run_plan
+from .._layout import GlobalMeta
+from .._signatures import LocalContext
+from .._tensor import GlobalTensor, wrap_fresh
+from ._bound import BoundCall, at, by_name, substitute
+from ._decide import Decision
+from ._schema import op_schema
+
+
+def _reduce_along(placement) -> Callable:
+    """``(tensor, op, axis) -> tensor`` all-reduced along ``axis`` of ``placement``, for local functions."""
+    return lambda x, op, axis: comm.all_reduce(x, op, comm.axis_group(placement, axis))
+
+
+@dataclass(frozen=True)
+class CallPlan:
+    """A decision compiled for one call key (see the module docstring)."""
+
+    func: object
+    decision: Decision
+    placement: object
+    slots: tuple  # the slot of each global argument (``_bound.py``)
+    plans: tuple  # per slot: the BoxingPlan to run, or None (already laid out, or an out= tensor)
+    written: tuple  # slot numbers of the tensors the op writes into
+    returns_written: bool
+    coord: tuple | None  # this rank's coordinate; None outside the placement
+    local_shapes: tuple  # this rank's part shape of each output
+    local_inputs: tuple  # GlobalMeta of each input in its decided layout (what a local function is told)
+    reduce_along: Callable
+    # The common case, run by ``_run_simple``: globals only as positional arguments, none boxed, no local
+    # function, a member rank, and one new output or the written self returned.
+    simple: bool
+
+    @property
+    def as_is(self) -> bool:
+        """Whether the plan runs the op on the local parts unchanged: no boxing, no local function, a member
+        rank."""
+        return (
+            self.coord is not None
+            and self.decision.local_fn is None
+            and self.decision.rule.outside is None
+            and all(boxing is None for boxing in self.plans)
+        )
+
+    def run(self, func, args, kwargs):
+        return _run_simple(self, func, args, kwargs) if self.simple else _run(self, func, args, kwargs)
+
+
+def compile_plan(bound: BoundCall, decision: Decision) -> CallPlan:
+    plans, local_inputs = [], []
+    targets = iter(decision.input_sbps)
+    outs = set(bound.outs)
+    for k, g in enumerate(bound.tensors):
+        if k in outs:
+            plans.append(None)  # written in its own layout
+            continue
+        target = next(targets)
+        plan = plan_boxing(g._meta, target)
+        plans.append(plan if plan.steps else None)
+        local_inputs.append(g._meta.with_sbp(target))
+    placement = bound.placement
+    coord = placement.local_coord()
+    func, slots, written = bound.func, bound.slots, bound.written
+    returns_written = bound.schema.returns_written
+    simple = (
+        coord is not None
+        and decision.local_fn is None
+        and all(index is None and not isinstance(where, str) for where, index in slots)
+        and all(p is None for p in plans)
+        and (
+            (returns_written and written == (0,) and slots[0] == (0, None))
+            or (not written and bound.schema.returns_one_tensor)
+        )
+    )
+    return CallPlan(
+        func,
+        decision,
+        placement,
+        slots,
+        tuple(plans),
+        written,
+        returns_written,
+        coord,
+        tuple(m.local_shape(coord) for m in decision.outputs),
+        tuple(local_inputs),
+        _reduce_along(placement),
+        simple,
+    )
+
+
+def _run_simple(plan: CallPlan, func, args, kwargs):
+    """``_run`` for a simple plan: no boxing, no local function, positional globals, one result."""
+    out = func(*[a._local if isinstance(a, GlobalTensor) else a for a in args], **kwargs)
+    return args[0] if plan.returns_written else checked_global(func, out, plan.decision.outputs[0], plan.local_shapes[0])
+
+
+def _context(plan: CallPlan, func, local_args, local_kwargs) -> LocalContext:
+    decision = plan.decision
+    return LocalContext(
+        plan.placement,
+        plan.coord,
+        plan.local_inputs,
+        decision.outputs,
+        decision.local_axes,
+        by_name(op_schema(func), local_args, local_kwargs),
+        plan.reduce_along,
+        box_local,
+    )
+
+
+def _run(plan: CallPlan, func, args, kwargs):
+    """Box, run the op (or the signature's local function) on the local parts, wrap the results."""
+    decision = plan.decision
+    tensors = [at(args, kwargs, slot) for slot in plan.slots]
+    parts = [g._local if boxing is None else run_plan(g._local, boxing) for g, boxing in zip(tensors, plan.plans)]
+    local_args, local_kwargs = substitute(args, kwargs, plan.slots, parts)
+    written = [tensors[i] for i in plan.written]
+    if plan.coord is None:
+        if decision.rule.outside is not None:
+            decision.rule.outside(func, _context(plan, func, local_args, local_kwargs))
+        if written and plan.returns_written:
+            return written[0] if len(written) == 1 else tuple(written)
+        device = tensors[0]._local.device
+        outs = [GlobalTensor(torch.empty(0, dtype=m.dtype, device=device), m) for m in decision.outputs]
+        return outs[0] if len(outs) == 1 else tuple(outs)
+    if decision.local_fn is None:
+        out = func(*local_args, **local_kwargs)
+    else:
+        out = decision.rule.local_fns[decision.local_fn](func, _context(plan, func, local_args, local_kwargs))
+    if written and plan.returns_written:
+        return written[0] if len(written) == 1 else tuple(written)
+    if out is None:
+        return None
+    if isinstance(out, torch.Tensor):
+        return checked_global(func, out, decision.outputs[0], plan.local_shapes[0])
+    results, k = [], 0
+    for o in out:
+        if isinstance(o, torch.Tensor):
+            results.append(checked_global(func, o, decision.outputs[k], plan.local_shapes[k]))
+            k += 1
+        else:
+            results.append(o)
+    return type(out)(results) if isinstance(out, tuple) else results
+
+
+def checked_global(func, local: torch.Tensor, meta: GlobalMeta, shape: tuple) -> GlobalTensor:
+    """``local`` wrapped as a part of ``meta``, after checking that it has the shape the layout says."""
+    if local.shape != shape:
+        raise RuntimeError(
+            f"sbp_torch internal error: {func} gave a local part of shape {tuple(local.shape)} where the layout "
+            f"{meta} needs {shape}"
+        )
+    if local.is_conj() or local.is_neg():
+        return GlobalTensor(local, meta)
+    return wrap_fresh(local, meta)

@@ -1,0 +1,201 @@
+"""Choosing an op's N-D signature: the candidate that moves the fewest bytes, decided once per call shape.
+
+For a call, ``decide`` builds every N-D signature (the product over placement axes of the rule's 1-D
+signatures), drops the invalid ones, costs each as the bytes its input boxing would move (the boxing
+planner's figure, summed over ranks), and keeps the cheapest; among equal costs, the one that changes
+fewest inputs' layouts, then the first in the rule's order. Nothing here depends on hashing order, object
+ids or timing, so every rank, running the same program, decides the same.
+
+The decision is cached on the op, the inputs' global metadata and the static arguments (numbers passed as
+``Scalar`` count by type only, so a changing learning rate does not miss the cache).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from .._boxing import plan_boxing
+from .._layout import GlobalMeta, Partial, Split, broadcast, check_partial_dtype
+from .._signatures import OpCall, Rule, Signature, TensorInfo, rule_for
+from .._tensor import GlobalTensor
+from ._bound import BoundCall
+from ._outputs import UnknownOutputs, infer_outputs
+
+
+@dataclass(frozen=True)
+class Decision:
+    """How to run one call: the layout each global input is boxed to, and what the outputs are.
+
+    ``outputs`` holds a GlobalMeta per tensor output (flattened order) and ``local_fn`` the rule's local
+    function, if the chosen signature names one; ``cost`` is the bytes the input boxing moves, summed over
+    ranks.
+    """
+
+    input_sbps: tuple[tuple, ...]
+    outputs: tuple[GlobalMeta, ...]
+    signatures: tuple[Signature, ...]  # the 1-D signature on each placement axis
+    rule: Rule
+    cost: int
+
+    @property
+    def local_fn(self) -> str | None:
+        return next((s.local_fn for s in self.signatures if s.local_fn), None)
+
+    @property
+    def local_axes(self) -> tuple[int, ...]:
+        """The placement axes whose signature names the local function."""
+        return tuple(a for a, s in enumerate(self.signatures) if s.local_fn)
+
+
+class NoSignature(Exception):
+    """No rule, no valid signature, or the op cannot run on meta tensors: use the broadcast fallback."""
+
+
+def _valid_1d(sig: Signature, inputs: list[GlobalTensor], outputs: list[TensorInfo]) -> bool:
+    if len(sig.inputs) != len(inputs) or len(sig.outputs) != len(outputs):
+        return False
+    for s, t in zip(sig.inputs + sig.outputs, [(g.dim(), g.dtype) for g in inputs] + [(o.ndim, o.dtype) for o in outputs]):
+        ndim, dtype = t
+        if isinstance(s, Split) and not 0 <= s.dim < ndim:
+            return False
+        if isinstance(s, Partial):
+            try:
+                check_partial_dtype(s, dtype)
+            except TypeError:
+                return False
+    return True
+
+
+def _partial_allowed(combo, inputs: list[GlobalTensor]) -> bool:
+    """An input may be made partial locally (free, but the result must be reduced later) only where the op
+    yields a partial result anyway: some input already is partial with that op on that axis, or the
+    signature turns non-partial inputs into a partial output (a bias joining a split-contraction product)."""
+    for axis, sig in enumerate(combo):
+        current = [g.sbp[axis] for g in inputs]
+        # e.g. addmm (P, S(1), S(0)) -> P: the split contraction makes the partial, the bias joins it
+        inherent = any(isinstance(o, Partial) for o in sig.outputs) and any(isinstance(w, Split) for w in sig.inputs)
+        for want, have in zip(sig.inputs, current):
+            if isinstance(want, Partial) and want != have and want not in current and not inherent:
+                return False
+    return True
+
+
+def _joins_partial(combo, inputs: list[GlobalTensor]) -> bool:
+    """Whether the signature makes a non-partial input partial to join a partial one (``b + p`` as ``P + P``)
+    rather than the op making the partial result itself (a split contraction)."""
+    for axis, sig in enumerate(combo):
+        inherent = any(isinstance(o, Partial) for o in sig.outputs) and any(isinstance(w, Split) for w in sig.inputs)
+        if not inherent and any(
+            isinstance(want, Partial) and not isinstance(g.sbp[axis], Partial) for want, g in zip(sig.inputs, inputs)
+        ):
+            return True
+    return False
+
+
+def _deferred_reduction(outputs: list[TensorInfo], out_sbps: list[tuple], placement) -> int:
+    """What keeping the outputs partial defers: reducing them to broadcast later (plus one byte, so that on
+    equal bytes reducing now wins). A residual stream kept partial is reduced anyway by the next layer norm,
+    and again in backward for the copy autograd saved, so joining a partial only pays when nothing follows."""
+    deferred = 1
+    for info, sbp in zip(outputs, out_sbps):
+        if any(isinstance(s, Partial) for s in sbp):
+            meta = GlobalMeta(info.shape, info.dtype, placement, sbp)
+            deferred += _decision_cost(plan_boxing(meta, tuple(broadcast if isinstance(s, Partial) else s for s in sbp)))
+    return deferred
+
+
+def decide(bound: BoundCall) -> Decision:
+    """The cheapest valid N-D signature for the call (see the module docstring); raises NoSignature."""
+    rule = rule_for(bound.func)
+    if rule is None:
+        raise NoSignature(f"{bound.func} has no SBP rule")
+    inputs = [bound.tensors[i] for i in bound.inputs]
+    outs = [bound.tensors[i] for i in bound.outs]
+    placement = bound.placement
+    try:
+        outputs = infer_outputs(bound)
+    except UnknownOutputs as why:
+        raise NoSignature(str(why)) from why
+    described = {k: TensorInfo(tuple(v.shape), v.dtype) if isinstance(v, GlobalTensor) else v
+                 for k, v in bound.by_name.items()}
+    for k, v in described.items():
+        if isinstance(v, (list, tuple)) and any(isinstance(x, GlobalTensor) for x in v):
+            described[k] = type(v)(TensorInfo(tuple(x.shape), x.dtype) if isinstance(x, GlobalTensor) else x for x in v)
+    call = OpCall(bound.func, [TensorInfo(tuple(g.shape), g.dtype) for g in inputs], outputs, described, placement.shape)
+    one_d = [s for s in rule.signatures(call) if _valid_1d(s, inputs, outputs)]
+    written = {id(bound.tensors[i]) for i in bound.written}
+    written_inputs = [k for k, g in enumerate(inputs) if id(g) in written]
+    aliased_outputs = _outputs_aliasing_inputs(bound, inputs)
+
+    def candidate(combo):
+        """(combo, targets, out_sbps) if the N-D signature ``combo`` is valid for this call, else None."""
+        if len({s.local_fn for s in combo if s.local_fn}) > 1 or not _partial_allowed(combo, inputs):
+            return None
+        if rule.check_nd is not None and not rule.check_nd(call, combo):
+            return None
+        targets = [tuple(s.inputs[i] for s in combo) for i in range(len(inputs))]
+        out_sbps = [tuple(s.outputs[j] for s in combo) for j in range(len(outputs))]
+        if any(targets[i] != inputs[i].sbp for i in written_inputs):
+            return None  # an in-place op keeps its tensor's layout; the other operands are boxed instead
+        if any(out_sbps[j] != inputs[i].sbp for j, i in aliased_outputs):
+            return None
+        if outs and (len(outs) != len(out_sbps) or any(o.sbp != s for o, s in zip(outs, out_sbps))):
+            return None
+        if any(tuple(o.shape) != info.shape for o, info in zip(outs, outputs)):
+            return None
+        return combo, targets, out_sbps
+
+    # The first valid signature that keeps every input's layout costs nothing and changes nothing, so no
+    # other can beat it (costs are never negative; ties go to fewer changes, then to the rule's order): when
+    # there is one, it is the decision, found among the signatures that keep the layouts on every axis (in
+    # the same order as the full product), without costing the others (on a new shape, each cost is an N-D
+    # boxing search).
+    keeping = [[s for s in one_d if tuple(s.inputs) == tuple(g.sbp[axis] for g in inputs)]
+               for axis in range(placement.ndim)]
+    kept = next(filter(None, map(candidate, itertools.product(*keeping))), None)
+    if kept is not None and not _joins_partial(kept[0], inputs):
+        candidates = [kept]
+    else:
+        candidates = list(filter(None, map(candidate, itertools.product(one_d, repeat=placement.ndim))))
+    best = None
+    for combo, targets, out_sbps in candidates:
+        cost = sum(_decision_cost(plan_boxing(g._meta, t)) for g, t in zip(inputs, targets))
+        if _joins_partial(combo, inputs):
+            cost += _deferred_reduction(outputs, out_sbps, placement)
+        changes = sum(t != g.sbp for g, t in zip(inputs, targets))
+        if best is None or (cost, changes) < best[0]:
+            metas = tuple(GlobalMeta(o.shape, o.dtype, placement, s) for o, s in zip(outputs, out_sbps))
+            best = ((cost, changes), Decision(tuple(targets), metas, combo, rule, cost))
+    if best is None:
+        raise NoSignature(f"no signature of {bound.func} fits these inputs")
+    return best[1]
+
+
+def _decision_cost(plan) -> int:
+    """What boxing an input costs a decision: the plan's cost, where a reduce-scatter also counts the
+    all-gather it defers. Reducing a partial input to a split saves half an all-reduce only if what follows
+    stays split; in a model the split activation soon meets an op that needs it whole (the next layer's
+    matmul), and the pair costs the all-reduce's bytes in two calls. So a partial input is reduced to
+    broadcast, as Megatron-style tensor parallelism does, unless the op itself needs it split."""
+    return plan.cost + sum(
+        step.cost for step in plan.steps if isinstance(step.src, Partial) and isinstance(step.dst, Split)
+    )
+
+
+def _outputs_aliasing_inputs(bound: BoundCall, inputs: list[GlobalTensor]) -> list[tuple[int, int]]:
+    """(output index, input index) for each tensor output that the schema says is a written input (the
+    ``self`` that ``add_`` returns), which must keep that input's layout."""
+    named = bound.by_name
+    by_alias = {}
+    for a in bound.func._schema.arguments:
+        if a.alias_info is not None and a.alias_info.is_write and isinstance(named.get(a.name), GlobalTensor):
+            by_alias[frozenset(a.alias_info.before_set)] = named[a.name]
+    pairs = []
+    for j, r in enumerate(bound.func._schema.returns):
+        if r.alias_info is not None and r.alias_info.is_write:
+            g = by_alias.get(frozenset(r.alias_info.before_set))
+            index = next((i for i, x in enumerate(inputs) if x is g), None)
+            if index is not None:
+                pairs.append((j, index))
+    return pairs

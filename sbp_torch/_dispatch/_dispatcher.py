@@ -1,0 +1,158 @@
+"""The dispatcher: how an aten op on global tensors runs. ``dispatch`` is what ``GlobalTensor``'s
+``__torch_dispatch__`` calls.
+
+One cache, ``CALLS`` (bounded, least recently used), maps each call key (``_bound.call_key``) to its entry:
+a compiled ``CallPlan``, a ``Fallback`` with its reason, a foreach plan, or an in-place view. A repeated call
+touches that one dictionary and runs the entry. A new key is bound once (``BoundCall``), checked (one
+placement for every global input; plain tensors only as 0-dim scalars, unless implicit broadcast is on),
+decided (``_decide.py``), compiled (``_call_plan.py``) and stored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+from torch.utils._pytree import tree_map
+
+from .._layout import GlobalMeta, broadcast
+from .._tensor import GlobalTensor
+from ._bound import BoundCall, call_key
+from ._cache import LruCache
+from ._call_plan import compile_plan
+from ._decide import NoSignature, decide
+from ._fallback import VALUE_OPS, Fallback, run_fallback
+from ._foreach import first_foreach_call
+from ._inplace_view import InplaceView
+from ._modes import IMPLICIT_BROADCAST
+from ._schema import op_schema
+
+CALLS = LruCache()
+
+# Where the ops this thread dispatches are recorded (see ``recording``); None when not recording.
+_RECORDER: contextvars.ContextVar = contextvars.ContextVar("sbp_torch_recorder", default=None)
+
+
+class MixedTensorError(RuntimeError):
+    """A global tensor met a plain tensor with dims. (Not a TypeError: torch turns a TypeError raised for
+    ``a + b`` into Python's generic "unsupported operand" message, which would hide this one.)"""
+
+
+def dispatch(func, args, kwargs):
+    """Run the aten op ``func`` on arguments that hold global tensors."""
+    if _RECORDER.get() is not None:
+        return _recorded(func, args, kwargs)
+    key = call_key(func, op_schema(func), args, kwargs)
+    try:
+        entry = CALLS.get(key)
+    except TypeError:  # an unhashable argument: this call is not cached
+        entry = None
+    if entry is not None and entry.func is func:  # the steady state of a training loop
+        return entry.run(func, args, kwargs)
+    return _first_call(BoundCall(func, args, kwargs, key))[0]
+
+
+def _first_call(bound: BoundCall) -> tuple:
+    """(The result, the entry) of a call whose key is not in the cache."""
+    schema = bound.schema
+    if schema.foreach:
+        result, entry = first_foreach_call(bound, _dispatch_one)
+    elif schema.inplace_view:
+        entry = InplaceView.of(bound, _dispatch_one)
+        result = entry.run(bound.func, bound.args, bound.kwargs)
+    else:
+        return _decide_and_run(bound)
+    key = bound.hashable_key()
+    if key is not None:
+        CALLS.put(key, entry)
+    return result, entry
+
+
+def _dispatch_one(bound: BoundCall) -> tuple:
+    """(The result, the entry) of one call that is not a foreach call: from the cache, or decided now."""
+    key = bound.hashable_key()
+    entry = CALLS.get(key) if key is not None else None
+    if entry is not None and entry.func is bound.func:
+        return entry.run(bound.func, bound.args, bound.kwargs), entry
+    return _decide_and_run(bound)
+
+
+def _decide_and_run(bound: BoundCall) -> tuple:
+    _check_operands(bound)
+    key = bound.hashable_key()
+    if bound.plain:  # implicit broadcast: the call as it runs has global tensors there, and its own key
+        bound = BoundCall(bound.func, *_broadcast_plain_tensors(bound))
+        key = bound.hashable_key()
+        entry = CALLS.get(key) if key is not None else None
+        if entry is not None and entry.func is bound.func:
+            return entry.run(bound.func, bound.args, bound.kwargs), entry
+    func = bound.func
+    if func in VALUE_OPS:
+        entry = Fallback(func, "its result is a plain value")
+    else:
+        try:
+            entry = compile_plan(bound, decide(bound))
+        except NoSignature as why:
+            entry = Fallback(func, str(why))
+    if key is not None:
+        CALLS.put(key, entry)
+    if isinstance(entry, Fallback):
+        return run_fallback(bound, entry.reason), entry
+    return entry.run(func, bound.args, bound.kwargs), entry
+
+
+def _check_operands(bound: BoundCall) -> None:
+    first = bound.tensors[0]
+    for g in bound.tensors[1:]:
+        if g.placement != first.placement:
+            raise ValueError(f"{bound.func}: inputs live on different placements: {first.placement} and {g.placement}")
+    if bound.plain and not IMPLICIT_BROADCAST.get():
+        raise MixedTensorError(
+            f"{bound.func}: cannot mix a global tensor with a plain tensor of shape {tuple(bound.plain[0].shape)}; "
+            "convert it with to_global(placement, sbp) first (0-dim tensors and Python scalars are allowed), or "
+            "run under sbp_torch.implicit_broadcast() if it holds the same values on every rank"
+        )
+
+
+def _broadcast_plain_tensors(bound: BoundCall) -> tuple:
+    """The call's ``(args, kwargs)`` with every plain tensor with dims made a broadcast global tensor."""
+    placement = bound.placement
+    member = placement.local_coord() is not None
+
+    def lift(a):
+        if not isinstance(a, GlobalTensor) and any(a is p for p in bound.plain):
+            if a.requires_grad:
+                raise MixedTensorError(f"{bound.func}: a plain tensor that requires grad cannot be broadcast implicitly")
+            meta = GlobalMeta(tuple(a.shape), a.dtype, placement, (broadcast,) * placement.ndim)
+            return GlobalTensor(a if member else a.new_empty(0), meta)
+        return a
+
+    return tree_map(lift, (bound.args, bound.kwargs))
+
+
+@contextlib.contextmanager
+def recording(calls: list):
+    """Within the block, each aten op that this thread (context) dispatches at the top level is appended to
+    ``calls`` as ``(op, args, kwargs, result, ran as is)``: "as is" when its entry ran the op on the local
+    parts unchanged (no boxing, no local function, no fallback, a member rank). Dispatches made while running
+    an op belong to that op and are not recorded."""
+    token = _RECORDER.set(calls)
+    try:
+        yield
+    finally:
+        _RECORDER.reset(token)
+
+
+def _recorded(func, args, kwargs):
+    calls = _RECORDER.get()
+    token = _RECORDER.set(None)
+    try:
+        out = dispatch(func, args, kwargs)
+    finally:
+        _RECORDER.reset(token)
+    try:
+        entry = CALLS.peek(call_key(func, op_schema(func), args, kwargs))
+    except TypeError:
+        entry = None
+    calls.append((func, args, kwargs, out, entry is not None and entry.func is func and entry.as_is))
+    return out

@@ -1,0 +1,86 @@
+"""The always-valid route for ops with no rule, no fitting signature, or no meta kernel: every input boxed
+to broadcast, the op run on full values, broadcast outputs; tensors the op writes into get the result boxed
+back into their own layout. It warns once per op, or raises in strict mode (``_modes.py``); ops whose
+result is a Python value (``VALUE_OPS``) take it quietly.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch.utils._pytree import tree_map
+
+from .._boxing import box_local
+from .._layout import GlobalMeta, broadcast
+from .._tensor import GlobalTensor
+from ._bound import BoundCall
+from ._modes import STRICT
+
+aten = torch.ops.aten
+
+# Ops whose result is a Python value (or a property of the full value): they gather quietly.
+VALUE_OPS = {
+    aten._local_scalar_dense.default,
+    aten.equal.default,
+    aten.is_nonzero.default,
+    aten.is_same_size.default,
+}
+
+warned_ops: set = set()  # the ops that took the fallback and were warned about (once each)
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """A call key that takes the fallback, with the reason (kept so that an op with no meta kernel does not
+    run it again on every call)."""
+
+    func: object
+    reason: str
+    as_is = False
+
+    def run(self, func, args, kwargs):
+        return run_fallback(BoundCall(func, args, kwargs), self.reason)
+
+
+def run_fallback(bound: BoundCall, why: str):
+    """Run the call on broadcast (gathered) inputs (see the module docstring)."""
+    func = bound.func
+    if func not in VALUE_OPS:
+        if STRICT.get():
+            raise NotImplementedError(f"sbp_torch strict mode: {func} would run on gathered inputs ({why})")
+        if func not in warned_ops:
+            warned_ops.add(func)
+            warnings.warn(f"sbp_torch: {func} runs on broadcast (gathered) inputs: {why}", stacklevel=5)
+    placement = bound.placement
+    replicated = (broadcast,) * placement.ndim
+    member = placement.local_coord() is not None
+    full_values: dict[int, torch.Tensor] = {}
+
+    def full(a):
+        if not isinstance(a, GlobalTensor):
+            return a
+        if id(a) not in full_values:
+            if member:  # contiguous, as the global tensor's strides say: as_strided and friends read them
+                full_values[id(a)] = box_local(a._local, a._meta, replicated).contiguous()
+            else:
+                full_values[id(a)] = torch.empty(a.shape, dtype=a.dtype, device="meta")
+        return full_values[id(a)]
+
+    out = func(*tree_map(full, bound.args), **tree_map(full, bound.kwargs))
+    written = [bound.tensors[i] for i in bound.written]
+    for g in written:
+        if member and full_values[id(g)] is not g._local:
+            g._local.copy_(box_local(full_values[id(g)], g._meta.with_sbp(replicated), g.sbp))
+    if written and bound.schema.returns_written:
+        return written[0] if len(written) == 1 else tuple(written)
+    device = bound.tensors[0]._local.device
+
+    def wrap(o):
+        if not isinstance(o, torch.Tensor):
+            return o
+        meta = GlobalMeta(tuple(o.shape), o.dtype, placement, replicated)
+        return GlobalTensor(o if member else o.new_empty(0, device=device), meta)
+
+    return tree_map(wrap, out)

@@ -1,0 +1,82 @@
+"""What an aten op's schema says that dispatch needs, read once per op.
+
+Reading ``func._schema`` on every call (argument lists, alias annotations, tags) would cost more than the
+rest of a cached call, so ``op_schema(func)`` reads it all once. The memo grows with the number of distinct
+ops a program calls, not with shapes, so it needs no bound.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+aten = torch.ops.aten
+
+# Ops that write arguments their schema does not mark as written, as op -> (flag argument that must be
+# true, written arguments): batch norm updates its running statistics in training.
+UNMARKED_WRITES = {
+    aten.native_batch_norm.default: ("training", ("running_mean", "running_var")),
+}
+
+
+@dataclass(frozen=True)
+class OpSchema:
+    """The facts of one op's schema that dispatch reads."""
+
+    func: object
+    names: tuple[str, ...]  # argument names in schema order
+    defaults: tuple  # (name, default) of every argument that has a default
+    scalar_positions: frozenset  # positions of arguments typed Scalar ("number"), keyed by type
+    scalar_names: frozenset  # the same by name
+    list_positions: tuple[int, ...]  # positions of list-typed arguments (a foreach op's lists)
+    written: frozenset  # names of arguments the op writes into (self of in-place ops, out=)
+    outs: frozenset  # names of out= arguments (written, and not read)
+    returns_written: bool  # the op returns the tensors it writes, not new ones
+    returns_tensors: bool  # returns new tensors (not nothing, not the written arguments)
+    returns: int  # how many values the schema returns
+    returns_one_tensor: bool  # returns exactly one Tensor (not a list of them)
+    inplace_view: bool  # squeeze_, transpose_, ...: changes self's own shape
+    foreach: bool  # _foreach_*: runs index by index
+    unmarked: tuple | None  # UNMARKED_WRITES entry
+
+    @staticmethod
+    def read(func) -> OpSchema:
+        arguments = func._schema.arguments
+        written = [a for a in arguments if a.alias_info is not None and a.alias_info.is_write]
+        returns = func._schema.returns
+        scalar = [(i, a.name) for i, a in enumerate(arguments) if str(a.type) in ("number", "List[number]")]
+        return OpSchema(
+            func=func,
+            names=tuple(a.name for a in arguments),
+            defaults=tuple((a.name, a.default_value) for a in arguments if a.has_default_value()),
+            scalar_positions=frozenset(i for i, _ in scalar),
+            scalar_names=frozenset(n for _, n in scalar),
+            list_positions=tuple(i for i, a in enumerate(arguments) if str(a.type).startswith("List[")),
+            written=frozenset(a.name for a in written),
+            outs=frozenset(a.name for a in written if a.is_out),
+            returns_written=bool(returns) and all(r.alias_info is not None and r.alias_info.is_write for r in returns),
+            returns_tensors=bool(returns) and not any(r.alias_info is not None for r in returns),
+            returns=len(returns),
+            returns_one_tensor=len(returns) == 1 and str(returns[0].type) == "Tensor",
+            inplace_view=torch.Tag.inplace_view in func.tags,
+            foreach=func._schema.name.startswith("aten::_foreach_"),
+            unmarked=UNMARKED_WRITES.get(func),
+        )
+
+    def name_of(self, where) -> str:
+        """The schema name of argument ``where`` (a position or a keyword)."""
+        return where if isinstance(where, str) else self.names[where]
+
+
+# id(op) -> OpSchema: an op's hash is computed in Python, its id is not; the entry keeps the op, and an
+# entry whose op is not the one asked for (a freed op's id reused) is read again.
+_SCHEMAS: dict = {}
+
+
+def op_schema(func) -> OpSchema:
+    """The ``OpSchema`` of ``func``."""
+    schema = _SCHEMAS.get(id(func))
+    if schema is None or schema.func is not func:
+        schema = _SCHEMAS[id(func)] = OpSchema.read(func)
+    return schema

@@ -1,0 +1,26 @@
+"""``GlobalTensor.__torch_function__``: what a torch function on global tensors takes, in order.
+
+1. Getters (``shape``, ``grad``, ...) and functions known to return views go straight on, below autograd.
+2. ``torch.matmul`` of batched global tensors becomes one ``aten.matmul`` (``_batched_matmul.py``): torch
+   would flatten it in a way that loses a split of the heads dim.
+3. A call that autograd does not record may run on the local parts directly (``_local_calls.py``).
+4. Everything else goes below autograd to ``__torch_dispatch__``, the dispatcher.
+"""
+
+from __future__ import annotations
+
+from . import _batched_matmul as batched_matmul
+from . import _local_calls as local_calls
+from ._below_autograd import below_autograd, without_torch_function
+
+
+def torch_function(func, types, args=(), kwargs=None):
+    """The handler of ``GlobalTensor.__torch_function__`` (see the module docstring)."""
+    if func in local_calls.DISPATCH_ONLY:
+        return below_autograd(func, types, args, kwargs)
+    if func in batched_matmul.MATMUL_FUNCS and batched_matmul.applies(func, args, kwargs or {}):
+        return batched_matmul.BatchedMatmul.apply(*args)
+    result = without_torch_function(local_calls.call, types, (func, types, args, kwargs))
+    if result is not local_calls.NOT_HANDLED:
+        return result
+    return below_autograd(func, types, args, kwargs)

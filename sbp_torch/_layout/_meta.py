@@ -1,0 +1,126 @@
+"""Layout arithmetic: which region of the logical tensor each rank holds. Pure functions, no communication.
+
+A rank at coordinates ``c`` of an N-D placement holds the region found by applying the SBPs axis by axis:
+``Split(d)`` on axis ``a`` keeps the balanced part ``c[a]`` of the region's current extent along ``d`` (so
+several axes splitting one dim nest, in axis order, as in OneFlow); ``Broadcast`` and ``Partial`` keep it.
+Balanced means the first ``n % p`` parts get one more row.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from ._placement import placement as Placement
+from ._sbp import Broadcast, Partial, SbpType, Split, broadcast, check_partial_dtype
+
+
+def balanced_part(n: int, parts: int, index: int) -> tuple[int, int]:
+    """(start, length) of part ``index`` when ``n`` rows are split into ``parts`` balanced parts."""
+    base, extra = divmod(n, parts)
+    return index * base + min(index, extra), base + (1 if index < extra else 0)
+
+
+def balanced_sizes(n: int, parts: int) -> list[int]:
+    """The lengths of the ``parts`` balanced parts of ``n`` rows."""
+    base, extra = divmod(n, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+@functools.lru_cache(maxsize=4096)
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape`` (what a global tensor reports)."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def narrow_to(x: torch.Tensor, starts, lengths, origin=None) -> torch.Tensor:
+    """The view of ``x`` that holds the box ``starts``/``lengths`` of the logical tensor, where ``x`` itself
+    is the box that starts at ``origin`` (default: ``x`` is the whole logical tensor)."""
+    for d, (s, n) in enumerate(zip(starts, lengths)):
+        x = x.narrow(d, s - (origin[d] if origin is not None else 0), n)
+    return x
+
+
+def partials_as_broadcast(sbp: tuple[SbpType, ...]) -> tuple[SbpType, ...]:
+    """``sbp`` with each partial axis made broadcast: the layout of a partial tensor's reduced value."""
+    return tuple(broadcast if isinstance(s, Partial) else s for s in sbp)
+
+
+@dataclass(frozen=True)
+class GlobalMeta:
+    """What every rank knows about a global tensor: logical shape, dtype, placement and one SBP per axis."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    placement: Placement
+    sbp: tuple[SbpType, ...]
+
+    def __post_init__(self):
+        # Metadata is hashed on every dispatch (decision cache keys): compute the hash once.
+        object.__setattr__(self, "_hash", hash((self.shape, self.dtype, self.placement, self.sbp)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    @functools.cached_property
+    def strides(self) -> tuple[int, ...]:
+        """The logical (contiguous) strides (computed once: every wrapped output reads them)."""
+        return contiguous_strides(self.shape)
+
+    def with_sbp(self, sbp: tuple[SbpType, ...]) -> GlobalMeta:
+        return GlobalMeta(self.shape, self.dtype, self.placement, sbp)
+
+    def region(self, coord: tuple[int, ...], axes: int | None = None) -> tuple[list[int], list[int]]:
+        """(starts, lengths) of the region held at ``coord``, applying the first ``axes`` axes (default all)."""
+        starts, lengths = [0] * len(self.shape), list(self.shape)
+        for a, sbp in enumerate(self.sbp[:axes]):
+            if isinstance(sbp, Split):
+                offset, lengths[sbp.dim] = balanced_part(lengths[sbp.dim], self.placement.shape[a], coord[a])
+                starts[sbp.dim] += offset
+        return starts, lengths
+
+    def local_shape(self, coord: tuple[int, ...] | None) -> tuple[int, ...]:
+        """Shape of the local part at ``coord``; ``(0,)`` for a rank outside the placement."""
+        return (0,) if coord is None else tuple(self.region(coord)[1])
+
+    def __repr__(self) -> str:
+        sbp = ", ".join(map(repr, self.sbp))
+        return f"shape={tuple(self.shape)}, dtype={self.dtype}, placement={self.placement}, sbp=({sbp})"
+
+
+def normalize_sbp(sbp, p: Placement, ndim: int, dtype: torch.dtype) -> tuple[SbpType, ...]:
+    """Validate ``sbp`` for a tensor of ``ndim`` dims and ``dtype`` on ``p``; return it as a tuple with split
+    dims made non-negative. Raises ValueError/TypeError naming the problem."""
+    if isinstance(sbp, (Split, Broadcast, Partial)):
+        sbp = (sbp,)
+    if not isinstance(sbp, (tuple, list)) or not all(isinstance(s, (Split, Broadcast, Partial)) for s in sbp):
+        raise TypeError(f"sbp must be an SBP or a tuple of SBPs (sbp_torch.sbp.split(d), ...), got {sbp!r}")
+    if len(sbp) != p.ndim:
+        raise ValueError(f"sbp {tuple(sbp)} has {len(sbp)} entries but the placement has {p.ndim} axes {p.shape}")
+    out = []
+    for s in sbp:
+        if isinstance(s, Split):
+            if not -ndim <= s.dim < ndim:
+                raise ValueError(f"split dim {s.dim} is out of range for a tensor with {ndim} dims")
+            s = Split(s.dim % ndim)
+        elif isinstance(s, Partial):
+            check_partial_dtype(s, dtype)
+        out.append(s)
+    return tuple(out)

@@ -1,0 +1,133 @@
+"""Placement: the N-D array of ranks that holds a global tensor."""
+
+from __future__ import annotations
+
+import itertools
+from functools import cached_property
+
+import torch
+import torch.distributed as dist
+
+DEVICE_TYPES = ("cpu", "cuda")
+
+
+def _flatten(ranks) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Return (flat ranks, shape) of a nested rectangular list, or raise ValueError naming the problem."""
+    if isinstance(ranks, range):
+        ranks = list(ranks)
+    if isinstance(ranks, int) and not isinstance(ranks, bool):
+        raise ValueError(f"ranks must be a list (e.g. [{ranks}]), got the int {ranks}")
+    if not isinstance(ranks, (list, tuple)) or len(ranks) == 0:
+        raise ValueError(f"ranks must be a non-empty (nested) list of ints, got {ranks!r}")
+    if all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
+        return tuple(ranks), (len(ranks),)
+    if not all(isinstance(r, (list, tuple, range)) for r in ranks):
+        raise ValueError(f"ranks mixes ints and lists: {ranks!r}")
+    parts = [_flatten(r) for r in ranks]
+    inner = {shape for _, shape in parts}
+    if len(inner) != 1:
+        raise ValueError(f"ranks is not rectangular (rows of shapes {sorted(inner)}): {ranks!r}")
+    return tuple(itertools.chain.from_iterable(flat for flat, _ in parts)), (len(parts), *inner.pop())
+
+
+class placement:  # noqa: N801 - lower case on purpose, as torch.device and oneflow.placement are
+    """Which ranks hold a global tensor, arranged as a 1-D or N-D array.
+
+    Args:
+        type: ``"cpu"`` or ``"cuda"``: the device type of the local parts.
+        ranks: a list of ranks (1-D) or a nested rectangular list (N-D), e.g. ``[[0, 1], [2, 3]]``.
+
+    A rank that is not in the placement may still hold a global tensor of it; its local part is empty.
+
+    Example::
+
+        p = sbp_torch.placement("cpu", ranks=[[0, 1], [2, 3]])
+        p.shape, p.ndim      # (2, 2), 2
+    """
+
+    def __init__(self, type: str, ranks):  # noqa: A002 - the OneFlow name
+        if type not in DEVICE_TYPES:
+            raise ValueError(f"placement type must be one of {DEVICE_TYPES}, got {type!r}")
+        flat, shape = _flatten(ranks)
+        if any(not isinstance(r, int) or isinstance(r, bool) or r < 0 for r in flat):
+            raise ValueError(f"ranks must be non-negative ints, got {ranks!r}")
+        duplicates = sorted({r for r in flat if flat.count(r) > 1})
+        if duplicates:
+            raise ValueError(f"ranks {duplicates} appear more than once in placement ranks {ranks!r}")
+        if dist.is_initialized() and max(flat) >= dist.get_world_size():
+            outside = sorted(r for r in flat if r >= dist.get_world_size())
+            raise ValueError(f"ranks {outside} are outside the world of size {dist.get_world_size()}")
+        self._type = type
+        self._flat = flat
+        self._shape = shape
+
+    @classmethod
+    def all(cls, type: str) -> placement:  # noqa: A002
+        """A 1-D placement of every rank of the default process group, in rank order."""
+        if not dist.is_initialized():
+            raise RuntimeError("placement.all() needs torch.distributed to be initialised first")
+        return cls(type, list(range(dist.get_world_size())))
+
+    type = property(lambda self: self._type, doc="Device type of the local parts: 'cpu' or 'cuda'.")
+    shape = property(lambda self: self._shape, doc="Shape of the rank array, e.g. (2, 2).")
+    ndim = property(lambda self: len(self._shape), doc="Number of placement axes.")
+    flat_ranks = property(lambda self: self._flat, doc="Ranks in row-major order of the rank array.")
+    size = property(lambda self: len(self._flat), doc="Number of ranks.")
+
+    @property
+    def ranks(self) -> list:
+        """The ranks as a nested list of the placement's shape."""
+        nested = list(self._flat)
+        for n in reversed(self._shape[1:]):
+            nested = [nested[i : i + n] for i in range(0, len(nested), n)]
+        return nested
+
+    def coords(self):
+        """Every coordinate of the rank array, in row-major order (the order of ``flat_ranks``)."""
+        return itertools.product(*(range(n) for n in self._shape))
+
+    @cached_property
+    def _coords(self) -> dict[int, tuple[int, ...]]:
+        return dict(zip(self._flat, self.coords()))
+
+    def coord_of(self, rank: int) -> tuple[int, ...] | None:
+        """Coordinates of ``rank`` in the rank array, or None when it is not in the placement."""
+        return self._coords.get(rank)
+
+    def local_coord(self) -> tuple[int, ...] | None:
+        """Coordinates of this process's rank (in the default group), or None when it is not in the
+        placement. A rank outside the placement holds empty local parts."""
+        return self._coords.get(dist.get_rank())
+
+    def __contains__(self, rank: int) -> bool:
+        return rank in self._coords
+
+    def rank_at(self, coord: tuple[int, ...]) -> int:
+        index = 0
+        for c, n in zip(coord, self._shape):
+            index = index * n + c
+        return self._flat[index]
+
+    def axis_ranks(self, axis: int, coord: tuple[int, ...]) -> tuple[int, ...]:
+        """The ranks that share every coordinate of ``coord`` but the one on ``axis``, in axis order."""
+        return tuple(self.rank_at(coord[:axis] + (i,) + coord[axis + 1 :]) for i in range(self._shape[axis]))
+
+    def device(self) -> torch.device:
+        """The torch device of this rank's local parts."""
+        if self._type == "cpu":
+            return torch.device("cpu")
+        return torch.device("cuda", torch.cuda.current_device())
+
+    def __eq__(self, other) -> bool:
+        return (
+            isinstance(other, placement)
+            and self._type == other._type
+            and self._shape == other._shape
+            and self._flat == other._flat
+        )
+
+    def __hash__(self) -> int:
+        return hash((self._type, self._shape, self._flat))
+
+    def __repr__(self) -> str:
+        return f"placement(type={self._type!r}, ranks={self.ranks})"

@@ -1,0 +1,172 @@
+"""GlobalTensor: a ``torch.Tensor`` subclass that reports the logical tensor and holds this rank's part;
+its differentiable ways back to plain tensors (``to_local``, ``full_tensor``); the gradient rule on it.
+
+The type knows nothing of how ops on it are run. Its two torch entry points, ``__torch_function__`` and
+``__torch_dispatch__``, call the handlers given to ``connect``, which ``sbp_torch/__init__.py`` calls once
+with the frontend and the dispatcher: the one place where this layer is wired to the layers above it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._boxing import box_local
+from .._layout import GlobalMeta, broadcast, contiguous_strides, normalize_sbp
+from ._gradient import gradient_part, gradient_sbp, has_extreme
+
+_new_wrapper = torch.Tensor._make_wrapper_subclass
+
+
+def _not_connected(*_):
+    raise RuntimeError("sbp_torch's dispatcher is not connected: import sbp_torch itself, not only its parts")
+
+
+class _Handlers:
+    """What the type's torch entry points call (see ``connect``)."""
+
+    torch_function = _not_connected  # (func, types, args, kwargs) -> result
+    torch_dispatch = _not_connected  # (func, args, kwargs) -> result
+
+
+def connect(torch_function, torch_dispatch) -> None:
+    """Route ``GlobalTensor.__torch_function__`` to ``torch_function(func, types, args, kwargs)`` and
+    ``__torch_dispatch__`` to ``torch_dispatch(func, args, kwargs)``."""
+    _Handlers.torch_function = staticmethod(torch_function)
+    _Handlers.torch_dispatch = staticmethod(torch_dispatch)
+
+
+class GlobalTensor(torch.Tensor):
+    """A logical tensor laid out over the ranks of a placement by one SBP per placement axis.
+
+    PyTorch sees the logical shape, stride and dtype; the data of this rank is ``to_local()``. Every op on it
+    is run by sbp_torch, which picks a layout and inserts the collectives. Build one with
+    ``Tensor.to_global`` or the creation functions, not directly.
+    """
+
+    _local: torch.Tensor
+    _meta: GlobalMeta
+    __slots__ = ("_local", "_meta")
+
+    @staticmethod
+    def __new__(cls, local: torch.Tensor, meta: GlobalMeta, requires_grad: bool = False):
+        # The wrapper never carries a conjugate / negative bit, and inside __torch_dispatch__ torch no longer
+        # honours them on the parts: a lazily conjugated part would be read unconjugated by the next op.
+        if local.is_conj():
+            local = local.resolve_conj()
+        if local.is_neg():
+            local = local.resolve_neg()
+        # (positional: torch parses keywords of _make_wrapper_subclass more slowly, on every op's output)
+        out = _new_wrapper(
+            cls, meta.shape, contiguous_strides(meta.shape), None, None, meta.dtype, torch.strided, local.device,
+            False, requires_grad,
+        )  # fmt: skip
+        out._local = local
+        out._meta = meta
+        return out
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return _Handlers.torch_function(func, types, args, kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return _Handlers.torch_dispatch(func, args, kwargs or {})
+
+    @property
+    def placement(self):
+        """The placement whose ranks hold this tensor."""
+        return self._meta.placement
+
+    @property
+    def sbp(self) -> tuple:
+        """One SBP per placement axis, as a tuple."""
+        return self._meta.sbp
+
+    def to_local(self, *, grad_sbp=None) -> torch.Tensor:
+        """This rank's part (empty on a rank outside the placement). Differentiable; see ``sbp_torch.to_local``."""
+        return to_local(self, grad_sbp=grad_sbp)
+
+    def full_tensor(self) -> torch.Tensor:
+        """The logical tensor as a plain tensor on every rank of the placement. Differentiable."""
+        return full_tensor(self)
+
+    def __repr__(self) -> str:
+        # No collective here: repr must be safe to call on one rank only (printing, debuggers).
+        grad = ", requires_grad=True" if self.requires_grad else ""
+        return f"GlobalTensor({self._meta}{grad},\n  local={self._local!r})"
+
+    def __tensor_flatten__(self):
+        return ["_local"], self._meta
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return GlobalTensor(inner["_local"], meta)
+
+
+def wrap_fresh(local: torch.Tensor, meta: GlobalMeta) -> GlobalTensor:
+    """``GlobalTensor(local, meta)`` for a part that is an op's new result (it carries no lazy conjugate or
+    negative bit): the shorter constructor of the hot paths."""
+    out = _new_wrapper(GlobalTensor, meta.shape, meta.strides, None, None, meta.dtype, torch.strided, local.device)
+    out._local = local
+    out._meta = meta
+    return out
+
+
+def gradient(grad: GlobalTensor, meta: GlobalMeta, saved_local: torch.Tensor | None) -> GlobalTensor:
+    """The gradient of a tensor of ``meta`` from the gradient ``grad`` of the same logical tensor, laid out as
+    ``gradient_sbp(meta.sbp)``. ``saved_local`` (the input's part) is needed only for P(max|min) axes."""
+    if not isinstance(grad, GlobalTensor):
+        raise TypeError(f"expected a global gradient for a global tensor, got a plain {type(grad).__name__}")
+    local = gradient_part(grad._local, grad._meta, meta, saved_local)
+    return GlobalTensor(local, grad._meta.with_sbp(gradient_sbp(meta.sbp)))
+
+
+class _ToLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, g: GlobalTensor, grad_sbp: tuple):
+        ctx.meta = g._meta.with_sbp(grad_sbp)
+        return g._local.view_as(g._local)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return GlobalTensor(grad, ctx.meta), None
+
+
+class _FullTensor(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, g: GlobalTensor):
+        ctx.meta = g._meta
+        ctx.saved_local = g._local if has_extreme(g._meta) else None
+        return box_local(g._local, g._meta, (broadcast,) * g._meta.placement.ndim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # Every rank is taken to hold the same gradient of the logical tensor (they ran the same program).
+        replicated = ctx.meta.with_sbp((broadcast,) * ctx.meta.placement.ndim)
+        if isinstance(grad, GlobalTensor):  # the full tensor met global tensors as a 0-dim operand
+            grad = box_local(grad._local, grad._meta, replicated.sbp)
+        if ctx.meta.placement.local_coord() is None:
+            grad = grad.new_empty(0)
+        return gradient(GlobalTensor(grad, replicated), ctx.meta, ctx.saved_local)
+
+
+def to_local(x: GlobalTensor, *, grad_sbp=None) -> torch.Tensor:
+    """This rank's part of ``x`` (an empty tensor on a rank outside the placement).
+
+    Differentiable: the local gradient becomes a global gradient laid out as ``grad_sbp`` (default
+    ``gradient_sbp(x.sbp)``: broadcast for broadcast and partial-sum tensors, so ranks must agree on it).
+    """
+    if not isinstance(x, GlobalTensor):
+        raise TypeError(f"to_local takes a global tensor, got a plain {type(x).__name__}")
+    if grad_sbp is None:
+        target = gradient_sbp(x.sbp)
+    else:
+        target = normalize_sbp(grad_sbp, x.placement, x.dim(), x.dtype)
+    return _ToLocal.apply(x, target)
+
+
+def full_tensor(x: GlobalTensor) -> torch.Tensor:
+    """The logical tensor as a plain tensor on every rank of the placement (empty outside it)."""
+    if not isinstance(x, GlobalTensor):
+        raise TypeError(f"full_tensor takes a global tensor, got a plain {type(x).__name__}")
+    return _FullTensor.apply(x)
