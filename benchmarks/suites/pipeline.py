@@ -135,7 +135,7 @@ class _LinkTime:
         self.lanes, self.seconds = lanes, seconds
 
     def start(self, channel, fn):
-        return self.lanes.start(channel, lambda: (time.sleep(self.seconds), fn())[1])
+        return self.lanes.start(channel, lambda posted: (time.sleep(self.seconds), fn(posted))[1])
 
     def __getattr__(self, name):
         return getattr(self.lanes, name)

@@ -101,8 +101,9 @@ class Lanes:
             self.staging.begin_step()
 
     def start(self, channel, fn):
-        """Run ``fn`` on ``channel``'s lane; returns a poll: None until it ended, then its result (re-raising
-        its error)."""
+        """Run ``fn(posted)`` on ``channel``'s lane; returns a poll: None until it ended, then its result
+        (re-raising its error). ``fn`` posts its sends and receives into the list ``posted`` (``isend``,
+        ``irecv``) and waits for them with ``wait``."""
         if channel not in self.lanes:
             work = queue.SimpleQueue()
             thread = threading.Thread(target=self._lane, args=(work,), daemon=True)
@@ -123,20 +124,27 @@ class Lanes:
     def _lane(self, work: queue.SimpleQueue) -> None:
         while (item := work.get()) is not None:
             fn, box = item
+            posted: list = []
             try:
-                box["value"] = fn()
+                box["value"] = fn(posted)
             except BaseException as err:  # noqa: BLE001 - handed to the loop
                 box["error"] = err
+            finally:
+                # A transfer that failed may leave sends and receives posted and not waited for. Each must
+                # complete before it is let go (``drain`` answers what lacks its other half): gloo holds on to
+                # its buffer, and a message for a freed buffer stops everything after it on that peer's link.
+                for posted_work in posted:
+                    posted_work.wait()
             box["done"] = True
             self._notify()
 
-    def isend(self, tensor: torch.Tensor, dst: int, tag: int):
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int, posted: list) -> None:
         self._record("send", dist.get_rank(), dst, tag, tensor)
-        return dist.isend(tensor, dst, tag=tag)
+        posted.append(dist.isend(tensor, dst, tag=tag))
 
-    def irecv(self, buf: torch.Tensor, src: int, tag: int):
+    def irecv(self, buf: torch.Tensor, src: int, tag: int, posted: list) -> None:
         self._record("recv", src, dist.get_rank(), tag, buf)
-        return dist.irecv(buf, src, tag=tag)
+        posted.append(dist.irecv(buf, src, tag=tag))
 
     def _record(self, kind: str, src: int, dst: int, tag: int, tensor: torch.Tensor) -> None:
         with self._lock:  # a post after ``drain`` took its snapshot would never be answered
@@ -144,10 +152,12 @@ class Lanes:
                 raise Cancelled
             self._posted.append((kind, src, dst, tag, tensor.numel(), tensor.dtype))
 
-    def wait(self, work) -> None:
-        """Wait for posted work; raises ``Cancelled`` if the step failed meanwhile (the work may hold the zeros
-        that ``drain`` sent)."""
-        work.wait()
+    def wait(self, posted: list) -> None:
+        """Wait for every send and receive in ``posted`` (each exactly once: waiting twice would wait for a
+        second completion) and empty it; raises ``Cancelled`` if the step failed meanwhile (the receives may
+        hold the zeros that ``drain`` sent)."""
+        while posted:
+            posted.pop(0).wait()
         if self._cancelled:
             raise Cancelled
 
@@ -156,7 +166,7 @@ class Lanes:
         marks = []
         for _, work in self.lanes.values():
             done = threading.Event()
-            work.put((done.set, {}))
+            work.put((lambda posted, done=done: done.set(), {}))
             marks.append(done)
         for done in marks:
             done.wait()
@@ -238,15 +248,15 @@ def send(x: GlobalTensor, dst_placement, tag: int, lanes: Lanes, channel: Channe
         data = [(t.contiguous(), r, t_) for t, r, t_ in data]
         after = staging.mark()
 
-    def post_and_wait():
+    def post_and_wait(posted):
         pieces = data
         if staging is not None:  # first: it releases the ticket whatever happens next
             hosts = staging.to_host(channel, [t for t, _, _ in data], after)
             pieces = [(h, r, t_) for h, (_, r, t_) in zip(hosts, data)]
         # posted here, not by the actor loop: gloo writes what the socket takes at once in the posting thread
-        works = [lanes.isend(t.contiguous(), r, t_) for t, r, t_ in outgoing + pieces]
-        for work in works:
-            lanes.wait(work)
+        for t, r, t_ in outgoing + pieces:
+            lanes.isend(t.contiguous(), r, t_, posted)
+        lanes.wait(posted)
         return True
 
     return lanes.start(channel, post_and_wait)
@@ -259,28 +269,29 @@ def _receiver_sbp(src_sbp: tuple, dst_placement) -> tuple:
     return (broadcast,) * dst_placement.ndim
 
 
-def _post_receives(src: GlobalMeta, dst_placement, first_tag: int, lanes: Lanes):
-    """Post this rank's receives of the pieces of a tensor of ``src``, under tags from ``first_tag`` on;
-    returns (finish, the number of pieces of the plan), where ``finish()`` waits for them and returns (this
-    rank's part, its metadata). Pieces that are contiguous views of the part are received in place."""
+def _post_receives(src: GlobalMeta, dst_placement, first_tag: int, lanes: Lanes, posted: list):
+    """Post this rank's receives of the pieces of a tensor of ``src``, under tags from ``first_tag`` on, into
+    ``posted``; returns (finish, the number of pieces of the plan), where ``finish()``, once they are waited
+    for, returns (this rank's part, its metadata). Pieces that are contiguous views of the part are received
+    in place."""
     me = dist.get_rank()
     dst = _destination(src, dst_placement)
     pieces = _plan(src, dst).pieces
     coord = dst_placement.coord_of(me)
     out = torch.empty(dst.local_shape(coord), dtype=src.dtype, pin_memory=lanes.staging is not None)
     origin = box_of(dst, coord)[0]
-    posted = []
+    copies = []
     for i, piece in enumerate(pieces):
         if piece.dst == me:
             view = cut(out, origin, piece)
             buf = view if view.is_contiguous() else torch.empty(piece.lengths, dtype=src.dtype)
-            posted.append((lanes.irecv(buf, piece.src, first_tag + i), buf, view))
+            lanes.irecv(buf, piece.src, first_tag + i, posted)
+            if buf is not view:
+                copies.append((buf, view))
 
     def finish():
-        for work, buf, view in posted:
-            lanes.wait(work)
-            if buf is not view:
-                view.copy_(buf)
+        for buf, view in copies:
+            view.copy_(buf)
         return out, dst
 
     return finish, len(pieces)
@@ -294,27 +305,27 @@ def recv(src_placement, dst_placement, tag: int, requires_grad: bool, lanes: Lan
     data need not wait for the header to arrive first. A wrong guess receives zeros, then the real pieces.
     Posting and waiting both happen on the channel's lane, so the actor loop only hands the work over."""
 
-    def receive():
+    def receive(posted):
         header = torch.empty(HEADER_BYTES, dtype=torch.uint8)
-        header_work = lanes.irecv(header, src_placement.flat_ranks[0], tag)
+        lanes.irecv(header, src_placement.flat_ranks[0], tag, posted)
         guess = channel.last
-        guessed = _post_receives(guess, dst_placement, tag + 1, lanes) if guess is not None else None
-        lanes.wait(header_work)
+        guessed = _post_receives(guess, dst_placement, tag + 1, lanes, posted) if guess is not None else None
+        lanes.wait(posted)  # the header, and the guessed pieces (zeros where the guess was wrong)
         shape, dtype, sbp = _parse_header(header)
         src = GlobalMeta(shape, dtype, src_placement, sbp)
         channel.last = src
         first = tag + 1
         if guessed is not None:
             finish, count = guessed
-            result = finish()
             if src == guess:
-                return result
-            first += count  # the guess was wrong: its pieces were zeros
-        finish, _ = _post_receives(src, dst_placement, first, lanes)
+                return finish()
+            first += count
+        finish, _ = _post_receives(src, dst_placement, first, lanes, posted)
+        lanes.wait(posted)
         return finish()
 
-    def receive_to_device():
-        host, meta = receive()
+    def receive_to_device(posted):
+        host, meta = receive(posted)
         return (meta,) + lanes.staging.to_device(channel, host)
 
     staged = lanes.staging is not None
