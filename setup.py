@@ -41,7 +41,8 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.11", "numpy"],  # numpy only to keep torch from warning at import
     extras_require={
-        "test": ["pytest>=7", "hypothesis>=6", "expecttest"],  # expecttest: imported by torch's OpInfo database
+        # expecttest: imported by torch's OpInfo database; ruff and import-linter: the lint tests
+        "test": ["pytest>=7", "pytest-timeout", "hypothesis>=6", "expecttest", "ruff", "import-linter"],
         "bench": ["matplotlib"],
     },
     **_cuda_extensions(),

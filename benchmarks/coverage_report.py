@@ -57,8 +57,11 @@ def cause(detail: str) -> str:
 
 
 def overall(runs: dict) -> list[str]:
-    lines = ["| backend | mesh | entries checked | pass | pass % | without fallback | fail fwd | fail bwd "
-             "| error | hang / out of step | skipped | time in sweep | finished |", "|" + "---|" * 13]
+    lines = [
+        "| backend | mesh | entries checked | pass | pass % | without fallback | fail fwd | fail bwd "
+        "| error | hang / out of step | skipped | time in sweep | finished |",
+        "|" + "---|" * 13,
+    ]
     for (backend, mesh), res in runs.items():
         entries = res["entries"]
         checked = _checked(entries)
@@ -66,10 +69,13 @@ def overall(runs: dict) -> list[str]:
         native = sum(1 for v in checked.values() if v["status"] == "pass" and not v.get("fallback", []))
         native_cell = f"{native} ({_pct(native, len(checked))})" if backend == "sbp" else "n/a"
         done = "" if res["meta"].get("complete") else " (incomplete)"
-        lines.append(f"| {backend} | {mesh} | {len(checked)} | {counts['pass']} | {_pct(counts['pass'], len(checked))} "
-                     f"| {native_cell} | {counts['fail-forward']} | {counts['fail-backward']} | {counts['error']} "
-                     f"| {counts['timeout'] + counts['diverged']} | {counts['skipped']} | {res['meta'].get('elapsed_s', 0):.0f} s{done} "
-                     f"| {res['meta'].get('finished', '-')} |")
+        lines.append(
+            f"| {backend} | {mesh} | {len(checked)} | {counts['pass']} | {_pct(counts['pass'], len(checked))} "
+            f"| {native_cell} | {counts['fail-forward']} | {counts['fail-backward']} | {counts['error']} "
+            f"| {counts['timeout'] + counts['diverged']} | {counts['skipped']} "
+            f"| {res['meta'].get('elapsed_s', 0):.0f} s{done} "
+            f"| {res['meta'].get('finished', '-')} |"
+        )
     return lines
 
 
@@ -111,10 +117,13 @@ def causes(runs: dict, backend: str, top: int) -> list[str]:
 
 def failing(runs: dict, backend: str = "sbp") -> list[str]:
     meshes = [m for b, m in runs if b == backend]
-    names = sorted({n for (b, _), res in runs.items() if b == backend
-                    for n, v in res["entries"].items() if v["status"] in FAILING})
-    lines = ["| entry | family | " + " | ".join(f"mesh {m}" for m in meshes) + " | first failure |",
-             "|" + "---|" * (3 + len(meshes))]
+    names = sorted(
+        {n for (b, _), res in runs.items() if b == backend for n, v in res["entries"].items() if v["status"] in FAILING}
+    )
+    lines = [
+        "| entry | family | " + " | ".join(f"mesh {m}" for m in meshes) + " | first failure |",
+        "|" + "---|" * (3 + len(meshes)),
+    ]
     for name in names:
         records = [runs[backend, m]["entries"].get(name) for m in meshes]
         statuses = [r["status"] if r else "-" for r in records]
@@ -149,7 +158,7 @@ def report(runs: dict) -> str:
         "## What is checked",
         "",
         "* Every op_db entry that supports float32 on CPU; its first K samples from",
-        "  `op.sample_inputs(\"cpu\", torch.float32, requires_grad=op.supports_autograd)`.",
+        '  `op.sample_inputs("cpu", torch.float32, requires_grad=op.supports_autograd)`.',
         "* Each tensor of a sample (input, args, kwargs, tensors inside lists) becomes a global tensor built from",
         "  its full value (`full.to_global(p, broadcast).to_global(sbp=...)`; for DTensor `distribute_tensor`",
         "  with Shard/Replicate/Partial). The SBP of each placement axis is drawn, seeded by entry name and sample",

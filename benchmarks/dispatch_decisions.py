@@ -6,10 +6,11 @@ Run on a 1-D mesh of 2 ranks and on a 2x2 mesh:
     python -m torch.distributed.run --standalone --nproc-per-node 4 benchmarks/dispatch_decisions.py
     python benchmarks/dispatch_decisions.py --report     # writes docs/dispatch_decisions.md
 
-For each op the decision is timed alone (no data moves): sbp_torch's ``_make_decision`` (a miss; boxing
-plans stay cached, as they are after the first step of training) against ``decide`` on a warm cache; DTensor's
-``propagate_op_sharding_non_cached`` against its cached ``propagate_op_sharding`` for the same op, layouts
-and shapes. Median and interquartile range of ``REPEATS`` timings, in microseconds.
+For each op the decision is timed alone (no data moves): sbp_torch's ``decide`` of a bound call (a miss; boxing
+plans stay cached, as they are after the first step of training) against the call cache's lookup of the call's key
+(a hit: the key and one dictionary); DTensor's ``propagate_op_sharding_non_cached`` against its cached
+``propagate_op_sharding`` for the same op, layouts and shapes. Median and interquartile range of ``REPEATS``
+timings, in microseconds.
 """
 
 from __future__ import annotations
@@ -61,10 +62,14 @@ def _dtensor_layout(name):
 
 
 def measure() -> list[dict]:
-    import sbp_torch as st
-    from sbp_torch import _select
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, distribute_tensor
+
+    import sbp_torch as st
+    from sbp_torch._dispatch import CALLS, BoundCall
+    from sbp_torch._dispatch._bound import call_key
+    from sbp_torch._dispatch._decide import decide
+    from sbp_torch._dispatch._schema import op_schema
 
     world = dist.get_world_size()
     mesh_shape = (2, 2) if world == 4 else (world,)
@@ -78,15 +83,18 @@ def measure() -> list[dict]:
         torch.manual_seed(0)
         fulls = [torch.randn(s) for s in shapes]
         ours = [
-            f.to_global(placement, (st.sbp.broadcast,) * len(mesh_shape)).to_global(sbp=tuple(map(_sbp_torch_layout, l)))
-            for f, l in zip(fulls, layouts)
+            f.to_global(placement, (st.sbp.broadcast,) * len(mesh_shape)).to_global(
+                sbp=tuple(map(_sbp_torch_layout, sbps))
+            )
+            for f, sbps in zip(fulls, layouts)
         ]
         args = tuple(ours) + extra
-        miss = _timed(lambda: _select._make_decision(op, args, {}))
-        hit = _timed(lambda: _select.decide(op, args, {}))
+        miss = _timed(lambda: decide(BoundCall(op, args, {})))
+        op(*args)  # the call's plan is now in the cache
+        hit = _timed(lambda: CALLS.get(call_key(op, op_schema(op), args, {})))
         row = {"op": name, "mesh": "x".join(map(str, mesh_shape)), "sbp_miss": miss, "sbp_hit": hit}
         try:
-            theirs = [distribute_tensor(f, mesh, [_dtensor_layout(x) for x in l]) for f, l in zip(fulls, layouts)]
+            theirs = [distribute_tensor(f, mesh, [_dtensor_layout(x) for x in sbps]) for f, sbps in zip(fulls, layouts)]
             dt_args = tuple(theirs) + extra
             dispatcher = DTensor._op_dispatcher
             schema = dispatcher.unwrap_to_op_info(op, dt_args, {}).schema
@@ -154,7 +162,15 @@ def main() -> None:
         with open(os.path.join(RESULTS, f"dispatch_decisions_{dist.get_world_size()}.json"), "w") as f:
             json.dump(rows, f, indent=1)
         for row in rows:
-            print(row["mesh"], row["op"], _fmt(row["sbp_miss"]), _fmt(row["sbp_hit"]), _fmt(row.get("dtensor_miss")), _fmt(row.get("dtensor_hit")), row.get("dtensor_error", ""))
+            print(
+                row["mesh"],
+                row["op"],
+                _fmt(row["sbp_miss"]),
+                _fmt(row["sbp_hit"]),
+                _fmt(row.get("dtensor_miss")),
+                _fmt(row.get("dtensor_hit")),
+                row.get("dtensor_error", ""),
+            )
     dist.barrier()
     dist.destroy_process_group()
 

@@ -18,7 +18,9 @@ class Minimal(torch.Tensor):
 
     @staticmethod
     def __new__(cls, local):
-        out = torch.Tensor._make_wrapper_subclass(cls, local.shape, strides=local.stride(), dtype=local.dtype, device=local.device)
+        out = torch.Tensor._make_wrapper_subclass(
+            cls, local.shape, strides=local.stride(), dtype=local.dtype, device=local.device
+        )
         out.local = local
         return out
 
@@ -52,5 +54,7 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     x = torch.randn(64, 32)
     a, b = Minimal(x), MinimalWithTorchFunction(x)
-    print(f"plain {per_call_us(lambda: x + x):.2f} us, minimal subclass {per_call_us(lambda: a + a):.2f} us, "
-          f"with __torch_function__ {per_call_us(lambda: b + b):.2f} us")
+    print(
+        f"plain {per_call_us(lambda: x + x):.2f} us, minimal subclass {per_call_us(lambda: a + a):.2f} us, "
+        f"with __torch_function__ {per_call_us(lambda: b + b):.2f} us"
+    )

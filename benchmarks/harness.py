@@ -84,7 +84,11 @@ def ratio(a: dict | None, b: dict | None) -> str:
 
 def machine() -> str:
     """One line naming the machine and versions the numbers come from."""
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.processor() or platform.machine()})"
+    device = (
+        torch.cuda.get_device_name()
+        if torch.cuda.is_available()
+        else f"CPU ({platform.processor() or platform.machine()})"
+    )
     import os
 
     return f"{device}, {os.cpu_count()} cores, torch {torch.__version__}, Python {platform.python_version()}"

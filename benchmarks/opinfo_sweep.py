@@ -37,8 +37,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _opinfo_check import (  # noqa: E402
     BACKENDS,
     NOT_RUN,
-    SampleCheck,
     VALUES_UNDEFINED,
+    SampleCheck,
     SampleFailure,
     describe,
     entry_name,
@@ -174,11 +174,16 @@ def check_entry(op, backend, mesh_ndim: int, k: int, agree: Agreement, fallback:
     if name in NOT_RUN[backend.name]:
         return {**record, "status": "skipped", "detail": f"not run: {NOT_RUN[backend.name][name]}"}
     torch.manual_seed(stable_seed(name))
-    kind, samples = guarded(lambda: list(itertools.islice(
-        op.sample_inputs("cpu", torch.float32, requires_grad=op.supports_autograd), k)))
+    kind, samples = guarded(
+        lambda: list(itertools.islice(op.sample_inputs("cpu", torch.float32, requires_grad=op.supports_autograd), k))
+    )
     kind, samples = agree((kind, samples), key=_shapes(samples) if kind == "ok" else "")
     if kind != "ok" or not samples:
-        return {**record, "status": "skipped", "detail": f"sample generation: {samples}" if kind != "ok" else "no samples"}
+        return {
+            **record,
+            "status": "skipped",
+            "detail": f"sample generation: {samples}" if kind != "ok" else "no samples",
+        }
     tol, values_defined = tolerance(op), name not in VALUES_UNDEFINED
     skips = []
     for i, sample in enumerate(samples):
@@ -230,9 +235,13 @@ def load(path: str, families: dict) -> dict:
         results = json.load(f)
     in_flight = results["meta"].pop("in_flight", None)
     if in_flight and in_flight not in results["entries"]:
-        results["entries"][in_flight] = {"family": families[in_flight], "status": "timeout", "samples": 0,
-                                         "detail": "the run ended (crash or hang) while this entry ran",
-                                         "backward_samples": 0}
+        results["entries"][in_flight] = {
+            "family": families[in_flight],
+            "status": "timeout",
+            "samples": 0,
+            "detail": "the run ended (crash or hang) while this entry ran",
+            "backward_samples": 0,
+        }
     results["meta"]["restarts"] = results["meta"].get("restarts", 0) + 1
     return results
 
@@ -278,11 +287,13 @@ def main() -> int:
     dist.new_group = lambda *a, **kw: new_group(*a, **{"timeout": timeout, **kw})
     mesh_shape = tuple(int(s) for s in args.mesh.split("x"))
     if dist.get_world_size() != torch.Size(mesh_shape).numel():
-        raise SystemExit(f"--mesh {args.mesh} needs {torch.Size(mesh_shape).numel()} ranks, "
-                         f"got {dist.get_world_size()}")
+        raise SystemExit(
+            f"--mesh {args.mesh} needs {torch.Size(mesh_shape).numel()} ranks, got {dist.get_world_size()}"
+        )
     agree = Agreement(args.timeout)
-    import sbp_torch  # noqa: F401 - adds Tensor.to_global
     from torch.testing._internal.common_methods_invocations import op_db
+
+    import sbp_torch  # noqa: F401 - adds Tensor.to_global
 
     check_same_sources(agree)
     backend = BACKENDS[args.backend](mesh_shape)
@@ -292,16 +303,29 @@ def main() -> int:
     wanted = set(filter(None, args.ops.split(",")))
     ops = [op for op in op_db if not wanted or entry_name(op) in wanted or op.name in wanted]
     if wanted - {entry_name(op) for op in ops} - {op.name for op in ops}:
-        raise SystemExit(f"unknown entries: {sorted(wanted - {entry_name(op) for op in ops} - {op.name for op in ops})}")
+        raise SystemExit(
+            f"unknown entries: {sorted(wanted - {entry_name(op) for op in ops} - {op.name for op in ops})}"
+        )
     # Rank 0 reads the earlier results and sends them: another rank reading the file itself could see the
     # one rank 0 is already writing again.
-    shared = [load(args.out, {entry_name(op): family(op) for op in op_db}) if args.resume and args.out and os.path.exists(args.out) and dist.get_rank() == 0
-              else {"meta": {}, "entries": {}}]
+    shared = [
+        load(args.out, {entry_name(op): family(op) for op in op_db})
+        if args.resume and args.out and os.path.exists(args.out) and dist.get_rank() == 0
+        else {"meta": {}, "entries": {}}
+    ]
     dist.broadcast_object_list(shared, src=0, group=agree.group)
     results = shared[0]
     meta = results["meta"]
-    meta.update(backend=args.backend, mesh=args.mesh, world_size=dist.get_world_size(), torch=torch.__version__,
-                k=args.k, default_tol=[1e-4, 1e-4], timeout_s=args.timeout, complete=False)
+    meta.update(
+        backend=args.backend,
+        mesh=args.mesh,
+        world_size=dist.get_world_size(),
+        torch=torch.__version__,
+        k=args.k,
+        default_tol=[1e-4, 1e-4],
+        timeout_s=args.timeout,
+        complete=False,
+    )
     start, elapsed = time.monotonic(), meta.get("elapsed_s", 0.0)
     code = 0
     for op in ops:
@@ -322,8 +346,11 @@ def main() -> int:
             code = TIMEOUT_EXIT
             break
     meta.pop("in_flight", None)
-    meta.update(complete=code == 0, elapsed_s=round(elapsed + time.monotonic() - start, 1),
-                finished=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+    meta.update(
+        complete=code == 0,
+        elapsed_s=round(elapsed + time.monotonic() - start, 1),
+        finished=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    )
     write(args.out, results)
     if dist.get_rank() == 0:
         counts = {}

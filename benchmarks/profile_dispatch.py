@@ -51,7 +51,9 @@ def _profile_rows(fn, top: int = 14) -> list[list[str]]:
     table = []
     for (path, line, name), (_, calls, own, cumulative, _) in rows:
         where = name if path == "~" else f"{os.path.basename(path)}:{line} {name}"
-        table.append([f"`{where}`", f"{calls / CALLS:g}", f"{own / CALLS * 1e6:.2f}", f"{cumulative / CALLS * 1e6:.2f}"])
+        table.append(
+            [f"`{where}`", f"{calls / CALLS:g}", f"{own / CALLS * 1e6:.2f}", f"{cumulative / CALLS * 1e6:.2f}"]
+        )
     return table
 
 
@@ -73,7 +75,8 @@ def main() -> None:
         "",
         f"Machine: {harness.machine()}. `x + x` for a [64, 32] float32 tensor, split on a 1-rank placement "
         f"(no communication), twice: on a tensor that does not require grad (a local call, "
-        f"`sbp_torch/_local_calls.py`) and on one that does (the dispatch path through `__torch_dispatch__`). "
+        f"`sbp_torch/_frontend/_local_calls.py`) and on one that does (the dispatch path through "
+        f"`__torch_dispatch__`). "
         f"Plain: **{plain:.1f} µs** per call (median of 7 rounds of {CALLS} calls).",
         "",
     ]
@@ -84,8 +87,9 @@ def main() -> None:
             "",
             "Under cProfile (which inflates each row), functions by own time per call of the op:",
             "",
-            harness.markdown_table(["function", "calls per op", "own µs", "cumulative µs"],
-                                   _profile_rows(lambda: t + t)),
+            harness.markdown_table(
+                ["function", "calls per op", "own µs", "cumulative µs"], _profile_rows(lambda: t + t)
+            ),
             "",
         ]
     dist.destroy_process_group()

@@ -53,8 +53,23 @@ def _worker(args) -> None:
 def _launch(suite: str, world: int, quick: bool) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-               "-m", "benchmarks.run", "--worker", "--suite", suite, "--world", str(world), "--out", out]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(world),
+            "-m",
+            "benchmarks.run",
+            "--worker",
+            "--suite",
+            suite,
+            "--world",
+            str(world),
+            "--out",
+            out,
+        ]
         if quick:
             cmd.append("--quick")
         subprocess.run(cmd, cwd=REPO, check=True)
@@ -99,8 +114,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--suite", default="all", choices=SUITES + ["all"])
     parser.add_argument("--quick", action="store_true", help="fewer cases and repetitions")
-    parser.add_argument("--render", action="store_true",
-                        help="only rewrite the suite's .md (and plot) from its .json, measuring nothing")
+    parser.add_argument(
+        "--render",
+        action="store_true",
+        help="only rewrite the suite's .md (and plot) from its .json, measuring nothing",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--world", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--out", default="", help=argparse.SUPPRESS)

@@ -27,8 +27,10 @@ def main():
     x = st.randn(7, 5, placement=line, sbp=split(0))
     torch.manual_seed(0)
     reference = torch.randn(7, 5)
-    say(f"randn(7, 5) split over 4 ranks: local part shapes are balanced, uneven: "
-        f"rank {rank} holds {tuple(x.to_local().shape)}")
+    say(
+        f"randn(7, 5) split over 4 ranks: local part shapes are balanced, uneven: "
+        f"rank {rank} holds {tuple(x.to_local().shape)}"
+    )
     assert torch.equal(x.full_tensor(), reference)
 
     # 2. Boxing on a 1-D placement: each transition uses the collective that moves the fewest bytes.
@@ -36,14 +38,18 @@ def main():
         plan = st.boxing_plan(x, sbp)
         x = x.to_global(sbp=sbp)
         assert torch.allclose(x.full_tensor(), reference)
-        say(f"  -> {sbp!r:7}: {', '.join(s.collective for s in plan.steps) or 'no step'}, "
-            f"{plan.bytes_sent} bytes sent in all; matches the single-process tensor")
+        say(
+            f"  -> {sbp!r:7}: {', '.join(s.collective for s in plan.steps) or 'no step'}, "
+            f"{plan.bytes_sent} bytes sent in all; matches the single-process tensor"
+        )
 
     # 3. From local parts: each rank contributes rows; the logical tensor is their concatenation.
     mine = torch.full((rank + 1, 3), float(rank))
     g = mine.to_global(line, split(0))
-    say(f"\nlocal parts of 1, 2, 3, 4 rows make a logical tensor of shape {tuple(g.shape)}; "
-        f"re-cut into balanced parts: rank {rank} now holds {tuple(g.to_local().shape)}")
+    say(
+        f"\nlocal parts of 1, 2, 3, 4 rows make a logical tensor of shape {tuple(g.shape)}; "
+        f"re-cut into balanced parts: rank {rank} now holds {tuple(g.to_local().shape)}"
+    )
     assert torch.equal(g.full_tensor(), torch.cat([torch.full((r + 1, 3), float(r)) for r in range(world)]))
 
     # 4. A 2x2 mesh: nested splits and an N-D boxing plan.

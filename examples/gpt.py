@@ -150,8 +150,11 @@ def main():
         want, got = run(mode, args.steps)
         worst = max(abs(g - w) / abs(w) for g, w in zip(got, want))
         if dist.get_rank() == 0:
-            print(f"{mode:6} losses {want[0]:.5f} -> {want[-1]:.5f} in {args.steps} steps; "
-                  f"largest relative difference from one process: {worst:.1e}", flush=True)
+            print(
+                f"{mode:6} losses {want[0]:.5f} -> {want[-1]:.5f} in {args.steps} steps; "
+                f"largest relative difference from one process: {worst:.1e}",
+                flush=True,
+            )
         assert worst < 1e-5, f"{mode}: losses differ from single-process training by {worst:.1e}"
     if dist.get_rank() == 0:
         print("all modes match single-process training", flush=True)

@@ -84,8 +84,12 @@ def cut(model: gpt.GPT, stages: int) -> list[Stage]:
     """``model`` as ``stages`` stages (sharing its modules, except the last stage's copy of the head)."""
     blocks = list(model.blocks)
     per = len(blocks) // stages
-    return [Stage(blocks[s * per:(s + 1) * per], Embed(model) if s == 0 else None,
-                  Final(model) if s == stages - 1 else None) for s in range(stages)]
+    return [
+        Stage(
+            blocks[s * per : (s + 1) * per], Embed(model) if s == 0 else None, Final(model) if s == stages - 1 else None
+        )
+        for s in range(stages)
+    ]
 
 
 def tied(stages: int) -> list[tuple[str, str]]:
@@ -97,8 +101,10 @@ def loss_fn(logits, targets):
 
 
 # gpt.py's tensor parallel plan, renamed to the stages' parameter names
-STAGE_TENSOR_PARALLEL = {("embed." if name.startswith("tokens") else "final." if name.startswith("head") else "")
-                         + name: sbp for name, sbp in gpt.TENSOR_PARALLEL.items()}
+STAGE_TENSOR_PARALLEL = {
+    ("embed." if name.startswith("tokens") else "final." if name.startswith("head") else "") + name: sbp
+    for name, sbp in gpt.TENSOR_PARALLEL.items()
+}
 
 
 def layouts(world: int) -> dict:
@@ -120,8 +126,9 @@ def run(mode: str, steps: int, schedule: str = "1f1b") -> tuple[list[float], lis
     want = gpt.train(reference, steps, batch=BATCH)
     ranks, plan, batch_sbp = layouts(dist.get_world_size())[mode]
     stages = [stage.to_global(st.placement("cpu", group), plan) for stage, group in zip(cut(model, len(ranks)), ranks)]
-    pipe = Pipeline(stages, loss_fn, MICRO_BATCHES, schedule, input_sbp=batch_sbp, target_sbp=batch_sbp,
-                    tied=tied(len(stages)))
+    pipe = Pipeline(
+        stages, loss_fn, MICRO_BATCHES, schedule, input_sbp=batch_sbp, target_sbp=batch_sbp, tied=tied(len(stages))
+    )
     optimizer = gpt.make_optimizer(nn.ModuleList(stages))
     got = []
     for idx, targets in gpt.batches(steps, BATCH):
@@ -155,9 +162,12 @@ def main():
         worst = max(abs(g - w) / abs(w) for g, w in zip(got, want))
         if dist.get_rank() == 0:
             stages = len(modes[mode][0])
-            print(f"{mode:14} {stages} stages, {args.schedule}: losses {want[0]:.5f} -> {want[-1]:.5f} in "
-                  f"{args.steps} steps; largest relative difference from one process: {worst:.1e}; "
-                  f"tied copies differ by {drift:.1e}", flush=True)
+            print(
+                f"{mode:14} {stages} stages, {args.schedule}: losses {want[0]:.5f} -> {want[-1]:.5f} in "
+                f"{args.steps} steps; largest relative difference from one process: {worst:.1e}; "
+                f"tied copies differ by {drift:.1e}",
+                flush=True,
+            )
         assert worst < 1e-5, f"{mode}: losses differ from single-process training by {worst:.1e}"
         assert drift == 0.0, f"{mode}: the tied embedding and head copies drifted apart by {drift:.1e}"
     if dist.get_rank() == 0:

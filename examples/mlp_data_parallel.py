@@ -49,8 +49,11 @@ def main(steps: int = 20):
     got = train(model, steps, lambda t: t.to_global(placement, broadcast).to_global(sbp=split(0)))
     worst = max(abs(g - w) / abs(w) for g, w in zip(got, want))
     if dist.get_rank() == 0:
-        print(f"loss {want[0]:.4f} -> {want[-1]:.4f} in {steps} steps; largest relative difference from one "
-              f"process: {worst:.1e}", flush=True)
+        print(
+            f"loss {want[0]:.4f} -> {want[-1]:.4f} in {steps} steps; largest relative difference from one "
+            f"process: {worst:.1e}",
+            flush=True,
+        )
     assert worst < 1e-5
     dist.destroy_process_group()
 

@@ -32,8 +32,8 @@ from ._boxing import BoxingPlan, BoxingStep, plan_boxing
 from ._comm import CollectiveError
 from ._dispatch import MixedTensorError, dispatch, implicit_broadcast, set_strict, strict
 from ._frontend import torch_function
-from ._layout import normalize_sbp
 from ._layout import Placement as placement
+from ._layout import normalize_sbp
 from ._tensor import GlobalTensor, connect, full_tensor, gradient_sbp, to_local
 
 __all__ = [

@@ -16,7 +16,7 @@ status=0
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/device.txt"
 $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/device.txt"
-# editable install with the C++ actor core and both CUDA extensions (setup.py); needs no network
+# editable install with the fused kernels' CUDA extension (setup.py); needs no network
 $PY -m pip install -q --no-build-isolation --no-deps -e . >"$OUT/install.txt" 2>&1 || { cat "$OUT/install.txt"; exit 1; }
 
 for part in $parts; do

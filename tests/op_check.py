@@ -39,7 +39,9 @@ def check_op(fn, inputs, placement, sbps, *, backward=True, atol=1e-5, rtol=1e-4
     """
     plain = [x.detach().clone().requires_grad_(backward) if _float_leaves([x]) else x for x in inputs]
     mine = [x.detach().clone().requires_grad_(backward) if _float_leaves([x]) else x for x in inputs]
-    as_global = [layout(x, placement, s) if isinstance(x, torch.Tensor) and s is not None else x for x, s in zip(mine, sbps)]
+    as_global = [
+        layout(x, placement, s) if isinstance(x, torch.Tensor) and s is not None else x for x, s in zip(mine, sbps)
+    ]
     member = placement.coord_of(torch.distributed.get_rank()) is not None  # others hold empty parts
     want, got = fn(*plain), fn(*as_global)
     want_leaves, _ = tree_flatten(want)
@@ -53,11 +55,17 @@ def check_op(fn, inputs, placement, sbps, *, backward=True, atol=1e-5, rtol=1e-4
         assert g.is_global, f"output is not global: {type(g)}"
         out_sbps.append(g.sbp)
         if member:
-            torch.testing.assert_close(g.full_tensor(), w.detach(), atol=atol, rtol=rtol, msg=lambda m: f"{m} (output {g.sbp})")
+            torch.testing.assert_close(
+                g.full_tensor(), w.detach(), atol=atol, rtol=rtol, msg=lambda m: f"{m} (output {g.sbp})"
+            )
     if expect_sbp is not None:
         assert out_sbps[0] == expect_sbp, f"output sbp {out_sbps[0]}, expected {expect_sbp}"
     if backward:
-        pairs = [(w, g) for w, g in zip(want_leaves, got_leaves) if isinstance(w, torch.Tensor) and w.requires_grad and w.is_floating_point()]
+        pairs = [
+            (w, g)
+            for w, g in zip(want_leaves, got_leaves)
+            if isinstance(w, torch.Tensor) and w.requires_grad and w.is_floating_point()
+        ]
         if pairs:
             gen = torch.Generator().manual_seed(7)
             weights = [torch.randn(w.shape, generator=gen, dtype=w.dtype) for w, _ in pairs]

@@ -12,8 +12,7 @@ import itertools
 
 import torch
 
-from sbp_torch._layout import GlobalMeta
-from sbp_torch._layout import Broadcast, Partial, Split
+from sbp_torch._layout import Broadcast, GlobalMeta, Partial, Split
 
 
 def coords(placement_shape):
@@ -43,7 +42,11 @@ def _undo(parts: list[torch.Tensor], sbp) -> torch.Tensor:
     if isinstance(sbp, Broadcast):
         return _first_copy(parts)
     stacked = torch.stack(parts)
-    return {"sum": lambda: stacked.sum(0, dtype=stacked.dtype), "max": lambda: stacked.amax(0), "min": lambda: stacked.amin(0)}[sbp.op]()
+    return {
+        "sum": lambda: stacked.sum(0, dtype=stacked.dtype),
+        "max": lambda: stacked.amax(0),
+        "min": lambda: stacked.amin(0),
+    }[sbp.op]()
 
 
 def assemble(parts: dict, placement_shape, sbp) -> torch.Tensor:

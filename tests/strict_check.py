@@ -9,6 +9,7 @@ import contextlib
 import torch
 
 import sbp_torch as st
+
 from op_check import check_op, layout
 
 

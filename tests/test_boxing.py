@@ -16,9 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st_
 
 import sbp_torch as st
-from reference import assemble, random_parts
 from sbp_torch._layout import GlobalMeta, normalize_sbp
 from sbp_torch.sbp import broadcast, partial_max, partial_min, partial_sum, split
+
+from reference import assemble, random_parts
 from world import run_on_world
 
 SIMPLE = [broadcast, partial_sum, partial_max, partial_min]
@@ -68,12 +69,14 @@ def check_boxing(world, ranks, shape, src, dst, dtype=torch.float64, seed=0, bac
 ONE_D = [split(0), split(1), *SIMPLE]
 
 
+@pytest.mark.gloo
 @pytest.mark.parametrize("src", ONE_D, ids=repr)
 def test_every_1d_pair_on_three_ranks_uneven(src):
     for dst in ONE_D:
         check_boxing(3, [0, 1, 2], (7, 5), src, dst)
 
 
+@pytest.mark.gloo
 def test_every_2d_pair_on_2x2_mesh_uneven():
     layouts = list(itertools.product([split(0), split(1), broadcast, partial_sum, partial_max], repeat=2))
     for i, src in enumerate(layouts):
@@ -106,6 +109,7 @@ def boxing_cases(draw):
     return world, ranks, shape, src, dst, dtype, draw(st_.integers(0, 2**16))
 
 
+@pytest.mark.gloo
 @settings(max_examples=250)
 @given(boxing_cases())
 def test_boxing_property(case):
@@ -113,6 +117,7 @@ def test_boxing_property(case):
     check_boxing(world, ranks, shape, src, dst, dtype, seed)
 
 
+@pytest.mark.gloo
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.int16, torch.bool], ids=str)
 def test_integer_and_bool_layouts(dtype):
     """int16 is one of the dtypes gloo cannot carry: it travels widened."""
@@ -121,6 +126,7 @@ def test_integer_and_bool_layouts(dtype):
         check_boxing(3, [0, 1, 2], (5, 2), src, dst, dtype=dtype, backward=False)
 
 
+@pytest.mark.gloo
 @pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64], ids=str)
 def test_unsigned_layouts_gloo_lacks(dtype):
     """torch's barebones unsigned types move between layouts (they have no arithmetic to reduce with)."""
@@ -128,6 +134,7 @@ def test_unsigned_layouts_gloo_lacks(dtype):
         check_boxing(3, [0, 1, 2], (5, 2), src, dst, dtype=dtype, backward=False)
 
 
+@pytest.mark.gloo
 def test_rank_order_of_placement_need_not_be_sorted():
     check_boxing(4, [[3, 1], [0, 2]], (5, 7), (split(0), split(1)), (split(1), split(0)))
     check_boxing(3, [2, 0, 1], (7, 4), split(0), split(1))

@@ -2,13 +2,17 @@
 
 import datetime
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from sbp_torch import CollectiveError
 from sbp_torch import _comm as coll
 from sbp_torch._comm import AxisGroup
+
 from world import run_on_world
+
+pytestmark = pytest.mark.gloo
 
 
 def all_reduce_with_a_missing_peer():

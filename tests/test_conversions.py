@@ -15,10 +15,13 @@ import torch
 import torch.distributed as dist
 
 import sbp_torch as st
-from reference import assemble, coords, expected_region, partial_free
 from sbp_torch._layout import GlobalMeta, normalize_sbp
 from sbp_torch.sbp import broadcast, partial_max, partial_min, partial_sum, split
+
+from reference import assemble, coords, expected_region, partial_free
 from world import run_on_world
+
+pytestmark = pytest.mark.gloo
 
 ERROR_TIMEOUT = 30.0  # a body that hangs in a collective fails the test after this many seconds
 
@@ -171,26 +174,44 @@ FROM_LOCAL_CASES = {
     "S0 even but not balanced": ([0, 1, 2], {(0,): (1,), (1,): (3,), (2,): (2,)}, split(0)),
     "S0 balanced": ([0, 1, 2], {(0,): (3, 2), (1,): (2, 2), (2,): (2, 2)}, split(0)),
     # nested split of one dim on a 2x2 mesh: row blocks in order (0,0), (0,1), (1,0), (1,1)
-    "S0,S0 nested": ([[0, 1], [2, 3]], {(0, 0): (2, 2), (0, 1): (1, 2), (1, 0): (0, 2), (1, 1): (3, 2)},
-                     (split(0), split(0))),
+    "S0,S0 nested": (
+        [[0, 1], [2, 3]],
+        {(0, 0): (2, 2), (0, 1): (1, 2), (1, 0): (0, 2), (1, 1): (3, 2)},
+        (split(0), split(0)),
+    ),
     # 2-D blocks: rows by mesh row (3, 1), columns by mesh column (1, 2)
-    "S0,S1 blocks": ([[0, 1], [2, 3]], {(0, 0): (3, 1), (0, 1): (3, 2), (1, 0): (1, 1), (1, 1): (1, 2)},
-                     (split(0), split(1))),
-    "S1,S0 blocks": ([[3, 1], [0, 2]], {(0, 0): (2, 1), (0, 1): (0, 1), (1, 0): (2, 3), (1, 1): (0, 3)},
-                     (split(1), split(0))),
+    "S0,S1 blocks": (
+        [[0, 1], [2, 3]],
+        {(0, 0): (3, 1), (0, 1): (3, 2), (1, 0): (1, 1), (1, 1): (1, 2)},
+        (split(0), split(1)),
+    ),
+    "S1,S0 blocks": (
+        [[3, 1], [0, 2]],
+        {(0, 0): (2, 1), (0, 1): (0, 1), (1, 0): (2, 3), (1, 1): (0, 3)},
+        (split(1), split(0)),
+    ),
     # broadcast takes index 0's part even though every rank passes a different value
     "B differs per rank": ([0, 1, 2], {(0,): (2, 3), (1,): (2, 3), (2,): (2, 3)}, broadcast),
     "B first rank is 1": ([1, 0], {(0,): (4,), (1,): (4,)}, broadcast),
-    "S0,B differs": ([[0, 1], [2, 3]], {(0, 0): (1, 2), (0, 1): (1, 2), (1, 0): (3, 2), (1, 1): (3, 2)},
-                     (split(0), broadcast)),
+    "S0,B differs": (
+        [[0, 1], [2, 3]],
+        {(0, 0): (1, 2), (0, 1): (1, 2), (1, 0): (3, 2), (1, 1): (3, 2)},
+        (split(0), broadcast),
+    ),
     # partial: the reduction of every rank's part
     "P sum": ([0, 1, 2], {(0,): (2, 3), (1,): (2, 3), (2,): (2, 3)}, partial_sum),
     "P max": ([0, 1, 2], {(0,): (3,), (1,): (3,), (2,): (3,)}, partial_max),
     "P min": ([2, 1], {(0,): (2, 2), (1,): (2, 2)}, partial_min),
-    "P,S1 unbalanced": ([[0, 1], [2, 3]], {(0, 0): (2, 3), (0, 1): (2, 0), (1, 0): (2, 3), (1, 1): (2, 0)},
-                        (partial_sum, split(1))),
-    "Pmax,S0 unbalanced": ([[0, 1], [2, 3]], {(0, 0): (1, 2), (0, 1): (2, 2), (1, 0): (1, 2), (1, 1): (2, 2)},
-                           (partial_max, split(0))),
+    "P,S1 unbalanced": (
+        [[0, 1], [2, 3]],
+        {(0, 0): (2, 3), (0, 1): (2, 0), (1, 0): (2, 3), (1, 1): (2, 0)},
+        (partial_sum, split(1)),
+    ),
+    "Pmax,S0 unbalanced": (
+        [[0, 1], [2, 3]],
+        {(0, 0): (1, 2), (0, 1): (2, 2), (1, 0): (1, 2), (1, 1): (2, 2)},
+        (partial_max, split(0)),
+    ),
 }
 
 

@@ -21,11 +21,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st_
 
 import sbp_torch as st
-from reference import assemble, coords, random_parts
 from sbp_torch._boxing.cross_placement import cross_target, plan_cross
-from sbp_torch._layout import GlobalMeta, normalize_sbp
-from sbp_torch._layout import Partial
+from sbp_torch._layout import GlobalMeta, Partial, normalize_sbp
 from sbp_torch.sbp import broadcast, partial_max, partial_min, partial_sum, split
+
+from reference import assemble, coords, random_parts
 from world import run_on_world
 
 SIMPLE = [broadcast, partial_sum, partial_max, partial_min]
@@ -223,6 +223,7 @@ def test_plan_covers_every_receiving_part_once(case):
 ONE_D = [split(0), split(1), *SIMPLE]
 
 
+@pytest.mark.gloo
 @pytest.mark.parametrize("src", ONE_D, ids=repr)
 def test_disjoint_1d_pipeline_every_pair(src):
     """A stage hand-over: [0, 1] -> [3, 2] (reversed order), rows uneven, every pair of layouts."""
@@ -230,6 +231,7 @@ def test_disjoint_1d_pipeline_every_pair(src):
         check_cross(4, [0, 1], [3, 2], (7, 5), src, dst)
 
 
+@pytest.mark.gloo
 def test_overlapping_and_nested_placements():
     check_cross(4, [0, 1, 2], [1, 2, 3], (7, 5), split(0), split(1))
     check_cross(4, [2, 0, 1], [1, 3, 2], (5, 3), partial_sum, split(0))
@@ -240,6 +242,7 @@ def test_overlapping_and_nested_placements():
     check_cross(4, [[0, 1], [2, 3]], [1, 3], (7, 5), (partial_max, broadcast), split(1))
 
 
+@pytest.mark.gloo
 def test_between_2d_and_1d():
     mesh, other = [[0, 1], [2, 3]], [[3, 1], [0, 2]]
     check_cross(4, mesh, [3, 1], (7, 5), (split(0), split(1)), split(0))
@@ -250,6 +253,7 @@ def test_between_2d_and_1d():
     check_cross(4, [0, 3], other, (6, 5), partial_max, (partial_sum, partial_min))  # partial target axes nest
 
 
+@pytest.mark.gloo
 def test_partial_sources():
     for src in [partial_sum, partial_max, partial_min]:
         check_cross(3, [0, 1, 2], [2], (7, 5), src, broadcast)
@@ -257,6 +261,7 @@ def test_partial_sources():
     check_cross(4, [[0, 1], [2, 3]], [3], (5, 3), (partial_sum, partial_max), broadcast)
 
 
+@pytest.mark.gloo
 def test_ranks_in_neither_placement_and_empty_or_scalar_tensors():
     check_cross(4, [0], [3], (5, 3), broadcast, broadcast)  # ranks 1 and 2 take no part
     check_cross(3, [0, 1], [2], (0, 3), split(0), split(1))
@@ -276,6 +281,7 @@ def mismatched_targets_body():
     return raised, g.to_global(q, broadcast).full_tensor()  # still in step
 
 
+@pytest.mark.gloo
 def test_mismatched_targets_raise_on_every_rank_with_check_meta():
     for rank, (raised, after) in enumerate(run_on_world(3, mismatched_targets_body)):
         assert raised is not None and "different metadata" in raised and "rank 1" in raised, (rank, raised)
@@ -283,6 +289,7 @@ def test_mismatched_targets_raise_on_every_rank_with_check_meta():
             torch.testing.assert_close(after, torch.ones(8))
 
 
+@pytest.mark.gloo
 @pytest.mark.parametrize("dtype", [torch.int16, torch.bool, torch.complex64], ids=str)
 def test_dtypes_on_the_wire(dtype):
     """Dtypes gloo lacks travel widened or reinterpreted, point to point too."""
@@ -291,6 +298,7 @@ def test_dtypes_on_the_wire(dtype):
         check_cross(3, [0, 1], [2, 1], (5, 2), src, dst, dtype=dtype, backward=False)
 
 
+@pytest.mark.gloo
 @settings(max_examples=200)
 @given(cross_cases())
 def test_cross_placement_property(case):

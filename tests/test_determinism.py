@@ -7,6 +7,10 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.gloo
+
 JOB = os.path.join(os.path.dirname(__file__), "jobs", "decisions_job.py")
 
 
@@ -21,9 +25,18 @@ def test_decisions_do_not_depend_on_hash_seed():
     procs = []
     for rank, seed in enumerate(["1", "12345"]):
         env = dict(
-            os.environ, PYTHONHASHSEED=seed, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+            os.environ,
+            PYTHONHASHSEED=seed,
+            RANK=str(rank),
+            WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
         )
-        procs.append(subprocess.Popen([sys.executable, JOB], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, JOB], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
     outputs = [proc.communicate(timeout=120)[0] for proc in procs]
     for rank, (proc, out) in enumerate(zip(procs, outputs)):
         assert proc.returncode == 0, f"rank {rank} failed:\n{out}"

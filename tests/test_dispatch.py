@@ -17,12 +17,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st_
 
 import sbp_torch as st
-from reference import assemble, expected_region, random_parts
-from sbp_torch._dispatch import _fallback
 from sbp_torch import gradient_sbp
+from sbp_torch._dispatch import _fallback
 from sbp_torch._layout import GlobalMeta, normalize_sbp
 from sbp_torch.sbp import broadcast, partial_max, partial_min, partial_sum, split
+
+from reference import assemble, expected_region, random_parts
 from world import run_on_world
+
+pytestmark = pytest.mark.gloo
 
 SIMPLE = [broadcast, partial_sum, partial_max, partial_min]
 

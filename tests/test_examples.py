@@ -9,6 +9,8 @@ import pytest
 
 from world import run_on_world
 
+pytestmark = pytest.mark.gloo
+
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 
 
@@ -31,7 +33,9 @@ def _mlp_losses(steps):
     placement = st.placement.all("cpu")
     reference = mlp.make_model()
     model = mlp.make_model().to_global(placement)
-    return mlp.train(reference, steps), mlp.train(model, steps, lambda t: t.to_global(placement, broadcast).to_global(sbp=split(0)))
+    return mlp.train(reference, steps), mlp.train(
+        model, steps, lambda t: t.to_global(placement, broadcast).to_global(sbp=split(0))
+    )
 
 
 def _close(want, got):
@@ -53,8 +57,10 @@ def _gpt_pipeline_losses(mode, steps, schedule):
     return _load("gpt_pipeline").run(mode, steps, schedule)
 
 
-@pytest.mark.parametrize("world,mode,schedule", [(2, "pp", "1f1b"), (4, "pp", "gpipe"), (4, "pp_tp", "1f1b"),
-                                                 (4, "pp_dp", "gpipe"), (2, "pp_interleaved", "1f1b")])
+@pytest.mark.parametrize(
+    "world,mode,schedule",
+    [(2, "pp", "1f1b"), (4, "pp", "gpipe"), (4, "pp_tp", "1f1b"), (4, "pp_dp", "gpipe"), (2, "pp_interleaved", "1f1b")],
+)
 def test_gpt_pipelined_trains_like_one_process(world, mode, schedule):
     for want, got, drift in run_on_world(world, _gpt_pipeline_losses, mode, 3, schedule):
         assert _close(want, got), (want, got)

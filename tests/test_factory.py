@@ -16,11 +16,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st_
 
 import sbp_torch as st
-from reference import assemble, coords, expected_region, partial_free
 from sbp_torch import gradient_sbp
 from sbp_torch._layout import GlobalMeta, normalize_sbp
 from sbp_torch._layout._philox import random_values, region_flat_indices
 from sbp_torch.sbp import Split, broadcast, partial_max, partial_min, partial_sum, split
+
+from reference import assemble, coords, expected_region, partial_free
 from world import run_on_world
 
 WORLD = 4  # every case runs on a world of 4, so 1-D placements of fewer ranks leave some ranks outside
@@ -135,6 +136,7 @@ def check_factories(ranks, shape, sbp, seed, dtype):
             assert torch.equal(assemble(parts, p.shape, norm), reference[name]), name
 
 
+@pytest.mark.gloo
 @settings(max_examples=40)
 @given(layouts(), st_.integers(0, 2**31 - 1), st_.sampled_from([torch.float32, torch.float64]))
 def test_factories_match_torch(layout, seed, dtype):
@@ -144,6 +146,7 @@ def test_factories_match_torch(layout, seed, dtype):
     check_factories(*layout, seed, dtype)
 
 
+@pytest.mark.gloo
 @pytest.mark.parametrize(
     "ranks,sbp",
     [
@@ -169,6 +172,7 @@ def randn_twice_body(ranks, sbp):
     return a.full_tensor(), b.full_tensor(), torch.randn(2)
 
 
+@pytest.mark.gloo
 def test_consecutive_random_tensors_continue_the_stream():
     """The second random global tensor continues torch's stream where the first left it, as in one process."""
     results = run_on_world(WORLD, randn_twice_body, [[0, 1], [2, 3]], (split(1), split(0)))
@@ -200,6 +204,7 @@ def requires_grad_body(ranks, sbp, factory):
     return leaf, first, second
 
 
+@pytest.mark.gloo
 @pytest.mark.parametrize(
     "ranks,sbp,factory",
     [

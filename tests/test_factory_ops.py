@@ -12,13 +12,15 @@ import pytest
 import torch
 
 import sbp_torch as st
-from op_check import check_op, layout
-
 from sbp_torch._layout import Partial
 from sbp_torch.sbp import broadcast as B
 from sbp_torch.sbp import partial_max, partial_sum
 from sbp_torch.sbp import split as S
+
+from op_check import check_op, layout
 from world import run_on_world
+
+pytestmark = pytest.mark.gloo
 
 
 def _x(*shape, seed=0):

@@ -13,8 +13,11 @@ from hypothesis import strategies as st_
 
 import sbp_torch as st
 from sbp_torch.sbp import broadcast, partial_sum, split
+
 from strict_check import recording_collectives, strict_recording_moves
 from world import run_on_world
+
+pytestmark = pytest.mark.gloo
 
 ORDERS = [2, 1, 3.5, math.inf, -math.inf, 0]
 
@@ -39,15 +42,21 @@ SBP_1D = st_.sampled_from([broadcast, split(0), split(1), split(2), partial_sum]
 
 
 @settings(max_examples=12, deadline=None)
-@given(mesh=st_.sampled_from([[0, 1, 2], [[0, 1], [2, 3]]]), shapes=st_.lists(SHAPE, min_size=1, max_size=5),
-       data=st_.data(), order=st_.sampled_from(ORDERS), seed=st_.integers(0, 100))
+@given(
+    mesh=st_.sampled_from([[0, 1, 2], [[0, 1], [2, 3]]]),
+    shapes=st_.lists(SHAPE, min_size=1, max_size=5),
+    data=st_.data(),
+    order=st_.sampled_from(ORDERS),
+    seed=st_.integers(0, 100),
+)
 def test_foreach_norm_matches_one_process(mesh, shapes, data, order, seed):
     ndim = 2 if isinstance(mesh[0], list) else 1
     sbps = []
     for shape in shapes:  # a split only of a dim the tensor has
         axes = data.draw(st_.tuples(*[SBP_1D] * ndim))
-        sbps.append(tuple(s if not (s.__class__.__name__ == "Split" and s.dim >= len(shape)) else broadcast
-                          for s in axes))
+        sbps.append(
+            tuple(s if not (s.__class__.__name__ == "Split" and s.dim >= len(shape)) else broadcast for s in axes)
+        )
     world = 4 if ndim == 2 else 3
     want = torch._foreach_norm(_values(shapes, seed), order)
     for norms, layouts, moved, reductions in run_on_world(world, _norms, mesh, shapes, sbps, order, seed):

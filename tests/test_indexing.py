@@ -15,14 +15,17 @@ import pytest
 import torch
 
 import sbp_torch as st
-from op_check import check_op
 from sbp_torch._signatures.indexing import index_result_dims
 from sbp_torch.sbp import broadcast as B
 from sbp_torch.sbp import partial_max as P_MAX
 from sbp_torch.sbp import partial_sum as P
 from sbp_torch.sbp import split as S
+
+from op_check import check_op
 from strict_check import strict
 from world import run_on_world
+
+pytestmark = pytest.mark.gloo
 
 
 def _x(*shape, seed=0):
@@ -86,10 +89,8 @@ def cases_mesh() -> list:
     idx = torch.tensor([0, 2, 2, 6])
     return [
         ("index_select", lambda a, i: a.index_select(1, i), [x, idx], [(S(0), S(2)), (B, B)], (S(0), S(2))),
-        ("index_select split index", lambda a, i: a.index_select(1, i), [x, idx], [(S(0), B), (B, S(0))],
-         (S(0), S(1))),
-        ("index_add", lambda a, i, s: a.index_add(1, i, s), [x, idx, src], [(S(0), P), (B, B), (S(0), P)],
-         (S(0), P)),
+        ("index_select split index", lambda a, i: a.index_select(1, i), [x, idx], [(S(0), B), (B, S(0))], (S(0), S(1))),
+        ("index_add", lambda a, i, s: a.index_add(1, i, s), [x, idx, src], [(S(0), P), (B, B), (S(0), P)], (S(0), P)),
         ("index", lambda a, i: a[:, i], [x, idx], [(S(2), B), (B, S(0))], (S(2), S(1))),
     ]
 

@@ -9,11 +9,12 @@ import torch
 import torch.nn.functional as F
 
 import sbp_torch as st
-from op_check import check_op
 from sbp_torch import kernels as K
 from sbp_torch.sbp import broadcast as B
 from sbp_torch.sbp import partial_sum as P
 from sbp_torch.sbp import split as S
+
+from op_check import check_op
 from strict_check import strict_recording_moves
 from world import run_on_world
 
@@ -45,22 +46,43 @@ def _target(rows, classes, ignore=-100):
 
 # (fused, unfused, input builder(dtype)) over odd sizes
 REFERENCE_CASES = {
-    "bias_gelu_tanh": (lambda x, b: K.bias_gelu(x, b), lambda x, b: F.gelu(x + b, approximate="tanh"),
-                       lambda dt: [_randn(3, 5, 7, dtype=dt), _randn(7, dtype=dt)]),
-    "bias_gelu_erf": (lambda x, b: K.bias_gelu(x, b, "none"), lambda x, b: F.gelu(x + b),
-                      lambda dt: [_randn(5, 7, dtype=dt), _randn(7, dtype=dt)]),
-    "layer_norm": (K.layer_norm, lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b),
-                   lambda dt: [_randn(3, 5, 9, dtype=dt), _randn(9, dtype=dt), _randn(9, dtype=dt)]),
+    "bias_gelu_tanh": (
+        lambda x, b: K.bias_gelu(x, b),
+        lambda x, b: F.gelu(x + b, approximate="tanh"),
+        lambda dt: [_randn(3, 5, 7, dtype=dt), _randn(7, dtype=dt)],
+    ),
+    "bias_gelu_erf": (
+        lambda x, b: K.bias_gelu(x, b, "none"),
+        lambda x, b: F.gelu(x + b),
+        lambda dt: [_randn(5, 7, dtype=dt), _randn(7, dtype=dt)],
+    ),
+    "layer_norm": (
+        K.layer_norm,
+        lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b),
+        lambda dt: [_randn(3, 5, 9, dtype=dt), _randn(9, dtype=dt), _randn(9, dtype=dt)],
+    ),
     "rms_norm": (K.rms_norm, _rms, lambda dt: [_randn(5, 9, dtype=dt), _randn(9, dtype=dt)]),
-    "softmax_mask": (lambda x, m: K.scale_mask_softmax(x, m, 0.7), lambda x, m: _softmax_unfused(x, m, 0.7),
-                     lambda dt: [_randn(2, 3, 5, 7, dtype=dt), torch.rand(1, 3, 1, 7, generator=GEN) < 0.3]),
-    "softmax_causal": (lambda x: K.scale_mask_softmax(x, None, 0.5, True), lambda x: _softmax_unfused(x, None, 0.5, True),
-                       lambda dt: [_randn(2, 5, 5, dtype=dt)]),
+    "softmax_mask": (
+        lambda x, m: K.scale_mask_softmax(x, m, 0.7),
+        lambda x, m: _softmax_unfused(x, m, 0.7),
+        lambda dt: [_randn(2, 3, 5, 7, dtype=dt), torch.rand(1, 3, 1, 7, generator=GEN) < 0.3],
+    ),
+    "softmax_causal": (
+        lambda x: K.scale_mask_softmax(x, None, 0.5, True),
+        lambda x: _softmax_unfused(x, None, 0.5, True),
+        lambda dt: [_randn(2, 5, 5, dtype=dt)],
+    ),
     "cross_entropy_mean": (K.cross_entropy, F.cross_entropy, lambda dt: [_randn(7, 13, dtype=dt) * 3, _target(7, 13)]),
-    "cross_entropy_sum": (lambda x, t: K.cross_entropy(x, t, 2, "sum"), lambda x, t: F.cross_entropy(x, t, ignore_index=2, reduction="sum"),
-                          lambda dt: [_randn(7, 13, dtype=dt), _target(7, 13, 2)]),
-    "cross_entropy_none": (lambda x, t: K.cross_entropy(x, t, reduction="none"), lambda x, t: F.cross_entropy(x, t, reduction="none"),
-                           lambda dt: [_randn(7, 13, dtype=dt), _target(7, 13)]),
+    "cross_entropy_sum": (
+        lambda x, t: K.cross_entropy(x, t, 2, "sum"),
+        lambda x, t: F.cross_entropy(x, t, ignore_index=2, reduction="sum"),
+        lambda dt: [_randn(7, 13, dtype=dt), _target(7, 13, 2)],
+    ),
+    "cross_entropy_none": (
+        lambda x, t: K.cross_entropy(x, t, reduction="none"),
+        lambda x, t: F.cross_entropy(x, t, reduction="none"),
+        lambda dt: [_randn(7, 13, dtype=dt), _target(7, 13)],
+    ),
 }
 
 
@@ -203,6 +225,7 @@ def kernels_on_world(n):
     check_op(_seeded_dropout, [X3, BIAS, X3 * 2], p, [(S(1),), (B,), (S(1),)], expect_sbp=(S(1),))
 
 
+@pytest.mark.gloo
 @pytest.mark.parametrize("n", [2, 3])
 def test_kernels_on_global_tensors(n):
     run_on_world(n, kernels_on_world, n)
@@ -226,6 +249,7 @@ def vocab_parallel_moves_no_logits(mesh_ranks, logits_sbp, target_sbp):
     torch.testing.assert_close(logits.grad.full_tensor(), plain.grad)
 
 
+@pytest.mark.gloo
 def test_vocab_parallel_cross_entropy_moves_no_logits():
     run_on_world(2, vocab_parallel_moves_no_logits, [0, 1], (S(1),), (B,))
     run_on_world(4, vocab_parallel_moves_no_logits, [[0, 1], [2, 3]], (S(0), S(1)), (S(0), B))

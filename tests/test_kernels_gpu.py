@@ -10,9 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() or shutil.which("nvcc") is None, reason="needs a CUDA GPU and nvcc"
-)
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or shutil.which("nvcc") is None, reason="needs a CUDA GPU and nvcc"
+    ),
+]
 
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}
 SIZES = [(1, 1), (3, 7), (17, 1000), (64, 4099)]
@@ -49,12 +52,16 @@ def poisoned_allocations():
 @pytest.mark.parametrize("shape", SIZES)
 def test_forward_and_backward(kernels, dtype, shape):
     K = kernels
-    for check in range(2):  # fresh inputs per check
+    for _ in range(2):  # fresh inputs per check
         x, v, b = _fresh(shape, dtype), _fresh(shape[-1:], dtype), _fresh(shape[-1:], dtype)
         for approximate in ("tanh", "none"):
             _check(K.bias_gelu(x, v, approximate), F.gelu(x.double() + v.double(), approximate=approximate), dtype)
         _check(K.layer_norm(x, v, b), F.layer_norm(x.double(), shape[-1:], v.double(), b.double()), dtype)
-        _check(K.rms_norm(x, v), x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6) * v.double(), dtype)
+        _check(
+            K.rms_norm(x, v),
+            x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6) * v.double(),
+            dtype,
+        )
         _check(K.scale_mask_softmax(x, None, 0.5), torch.softmax(x.double() * 0.5, -1), dtype)
         target = torch.randint(0, shape[-1], shape[:1], device="cuda")
         xr = x.double().requires_grad_()

@@ -30,8 +30,12 @@ def test_nested_split_cuts_the_part_of_the_earlier_axis():
     meta = GlobalMeta((7, 5), torch.float32, grid, (split(0), split(0)))
     regions = {c: meta.region(c) for c in itertools.product(range(2), range(2))}
     # axis 0 gives rows [0, 4) and [4, 7); axis 1 splits each of them again
-    assert regions == {(0, 0): ([0, 0], [2, 5]), (0, 1): ([2, 0], [2, 5]),
-                       (1, 0): ([4, 0], [2, 5]), (1, 1): ([6, 0], [1, 5])}
+    assert regions == {
+        (0, 0): ([0, 0], [2, 5]),
+        (0, 1): ([2, 0], [2, 5]),
+        (1, 0): ([4, 0], [2, 5]),
+        (1, 1): ([6, 0], [1, 5]),
+    }
     cross = GlobalMeta((7, 5), torch.float32, grid, (split(1), split(0)))
     assert cross.region((1, 1)) == ([4, 3], [3, 2])
 

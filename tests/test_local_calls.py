@@ -15,11 +15,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st_
 
 import sbp_torch as st
-from reference import assemble, random_parts
 from sbp_torch._frontend import _local_calls
 from sbp_torch._layout import GlobalMeta, normalize_sbp
 from sbp_torch.sbp import broadcast, partial_max, partial_sum, split
+
+from reference import assemble, random_parts
 from world import run_on_world
+
+pytestmark = pytest.mark.gloo
 
 PLACEMENTS = [[0, 1, 2], [2, 0], [1], [[0, 1], [2, 3]], [[3, 1], [0, 2]]]
 
@@ -136,8 +139,13 @@ def expected_learning_body(name, sbp_name):
 @pytest.mark.parametrize(
     "name, sbp, learnt",
     [
-        ("add", "S0", 1), ("mul_float", "P", 1), ("softmax", "S0", 1), ("add_", "S0", 1), ("lerp_", "B", 1),
-        ("foreach_mul", "S0", 1), ("foreach_add_", "S0", 1),
+        ("add", "S0", 1),
+        ("mul_float", "P", 1),
+        ("softmax", "S0", 1),
+        ("add_", "S0", 1),
+        ("lerp_", "B", 1),
+        ("foreach_mul", "S0", 1),
+        ("foreach_add_", "S0", 1),
         ("add_float", "P", 0),  # P + 1.5 boxes the partial sum first
         ("transpose", "S0", 0),  # a view: the dispatch path makes it an autograd view of its base
         ("reshape", "S0", 0),  # its size comes from the logical shape; the local call would get 3 rows, not 5
@@ -177,7 +185,7 @@ def grad_after_learning_body():
     p = st.placement("cpu", [0, 1])
     torch.manual_seed(1)
     full = torch.randn(6, 4, dtype=torch.float64)
-    x = full[3 * dist.get_rank():3 * dist.get_rank() + 3].clone().requires_grad_()
+    x = full[3 * dist.get_rank() : 3 * dist.get_rank() + 3].clone().requires_grad_()
     g = x.to_global(p, (split(0),))
     with torch.no_grad():
         for _ in range(3):
@@ -197,7 +205,7 @@ def test_learnt_keys_do_not_serve_autograd():
     want = 1 - torch.tanh(full) ** 2
     for rank, (requires_grad, grad, wrapper_requires_grad) in enumerate(results):
         assert requires_grad and wrapper_requires_grad
-        torch.testing.assert_close(grad, want[3 * rank:3 * rank + 3])
+        torch.testing.assert_close(grad, want[3 * rank : 3 * rank + 3])
 
 
 def dropout_body():
@@ -267,8 +275,11 @@ def test_adamw_with_a_changing_learning_rate(foreach):
     steps = 5
     results = run_on_world(2, adamw_body, foreach, steps)
     torch.manual_seed(3)
-    params = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(3)),
-              torch.nn.Parameter(torch.randn(2, 2))]
+    params = [
+        torch.nn.Parameter(torch.randn(5, 3)),
+        torch.nn.Parameter(torch.randn(3)),
+        torch.nn.Parameter(torch.randn(2, 2)),
+    ]
     opt = torch.optim.AdamW(params, lr=0.1, foreach=foreach)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (step + 1))
     for step in range(steps):

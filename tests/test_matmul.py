@@ -3,16 +3,20 @@ values and gradients; the cheapest signature is the one chosen."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.nn import functional as F
 
 import sbp_torch as st
-from op_check import check_op
 from sbp_torch.sbp import broadcast as B
 from sbp_torch.sbp import partial_sum as P
 from sbp_torch.sbp import split as S
+
+from op_check import check_op
 from strict_check import strict
 from world import run_on_world
+
+pytestmark = pytest.mark.gloo
 
 _gen = torch.Generator().manual_seed(0)  # the same values on every rank
 

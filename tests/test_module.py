@@ -9,9 +9,13 @@ import torch
 from torch import nn
 
 import sbp_torch as st
+from sbp_torch import _comm as comm
 from sbp_torch.sbp import broadcast, split
+
 from strict_check import recording_collectives
 from world import run_on_world
+
+pytestmark = pytest.mark.gloo
 
 OPTIMIZERS = {
     "sgd": lambda ps, foreach: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=foreach),
@@ -82,12 +86,39 @@ def test_hybrid_plan_on_mesh():
     run_on_world(4, _compare_training, _hybrid_plan, (split(0), broadcast), "adam", True, [[0, 1], [2, 3]])
 
 
-def test_buckets_reduce_during_backward():
+def _all_reduce_starts(mesh, input_sbp, optimizer_name, foreach, bucket_mb) -> tuple[int, int]:
+    """``_compare_training``, counting the gradient all-reduces that start while backward still runs (inside a
+    parameter's accumulation hook) and those that start after it (the end-of-backward callback)."""
+    starts = []
+    original = comm.start_all_reduce
+
+    def recording(*args):
+        starts.append(torch._C._current_autograd_node() is not None)
+        return original(*args)
+
+    comm.start_all_reduce = recording
+    try:
+        _compare_training((broadcast,) * len(input_sbp), input_sbp, optimizer_name, foreach, mesh, bucket_mb)
+    finally:
+        comm.start_all_reduce = original
+    return sum(starts), len(starts) - sum(starts)
+
+
+@pytest.mark.parametrize(
+    "mesh,input_sbp,optimizer_name,foreach",
+    [([0, 1, 2], (split(0),), "sgd", False), ([[0, 1], [2, 3]], (split(0), split(0)), "adamw", True)],
+    ids=["3 ranks", "2x2 mesh"],
+)
+def test_buckets_reduce_during_backward(mesh, input_sbp, optimizer_name, foreach):
     """Buckets of one tensor each start their all-reduce while backward goes on (and on a mesh, the second
-    axis follows when they finish)."""
-    tiny = 1e-6
-    run_on_world(3, _compare_training, broadcast, split(0), "sgd", False, [0, 1, 2], tiny)
-    run_on_world(4, _compare_training, (broadcast, broadcast), (split(0), split(0)), "adamw", True, [[0, 1], [2, 3]], tiny)
+    axis follows when they finish); one bucket for all starts when backward ends. The values match one
+    process either way (``_compare_training``)."""
+    world = 4 if isinstance(mesh[0], list) else len(mesh)
+    steps, params = len(_batches()), len(list(_mlp().parameters()))
+    during, after = run_on_world(world, _all_reduce_starts, mesh, input_sbp, optimizer_name, foreach, 1e-6)[0]
+    assert (during, after) == (steps * params, 0)
+    during, after = run_on_world(world, _all_reduce_starts, mesh, input_sbp, optimizer_name, foreach, 25.0)[0]
+    assert (during, after) == (0, steps)
 
 
 def _sharded_data_parallel(mesh, input_sbp, bucket_mb):

@@ -5,16 +5,20 @@ from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 import sbp_torch as st
-from op_check import check_op
 from sbp_torch.sbp import broadcast as B
 from sbp_torch.sbp import partial_sum as P
 from sbp_torch.sbp import split as S
+
+from op_check import check_op
 from strict_check import check_cases
 from world import run_on_world
+
+pytestmark = pytest.mark.gloo
 
 GEN = torch.Generator().manual_seed(0)
 TOKENS = torch.randn(5, 3, 6, generator=GEN, dtype=torch.float64)

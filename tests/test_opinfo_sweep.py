@@ -19,22 +19,66 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.gloo
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 EXPECTED_PASS = [
     # pointwise
-    "abs", "exp", "sigmoid", "clamp", "where", "nn.functional.relu", "nn.functional.gelu",
-    "add", "mul", "sub", "div.no_rounding_mode", "pow", "maximum", "short",
+    "abs",
+    "exp",
+    "sigmoid",
+    "clamp",
+    "where",
+    "nn.functional.relu",
+    "nn.functional.gelu",
+    "add",
+    "mul",
+    "sub",
+    "div.no_rounding_mode",
+    "pow",
+    "maximum",
+    "short",
     # reductions
-    "sum", "mean", "amax", "argmax", "var", "std", "max.reduction_with_dim", "logsumexp", "norm",
+    "sum",
+    "mean",
+    "amax",
+    "argmax",
+    "var",
+    "std",
+    "max.reduction_with_dim",
+    "logsumexp",
+    "norm",
     # matmul
-    "mm", "bmm", "addmm", "matmul", "einsum", "nn.functional.linear",
+    "mm",
+    "bmm",
+    "addmm",
+    "matmul",
+    "einsum",
+    "nn.functional.linear",
     # views
-    "view", "reshape", "transpose", "permute", "cat", "stack", "split", "squeeze", "unsqueeze", "expand",
-    "flatten", "narrow", "select",
+    "view",
+    "reshape",
+    "transpose",
+    "permute",
+    "cat",
+    "stack",
+    "split",
+    "squeeze",
+    "unsqueeze",
+    "expand",
+    "flatten",
+    "narrow",
+    "select",
     # softmax, losses, norms, embedding
-    "softmax", "log_softmax", "nn.functional.cross_entropy", "nn.functional.mse_loss", "nn.functional.nll_loss",
-    "nn.functional.binary_cross_entropy_with_logits", "nn.functional.layer_norm", "nn.functional.embedding",
+    "softmax",
+    "log_softmax",
+    "nn.functional.cross_entropy",
+    "nn.functional.mse_loss",
+    "nn.functional.nll_loss",
+    "nn.functional.binary_cross_entropy_with_logits",
+    "nn.functional.layer_norm",
+    "nn.functional.embedding",
 ]
 
 # entry -> why it fails today (see docs/coverage.md for the full list)
@@ -51,11 +95,25 @@ NATIVE = ["abs", "exp", "sigmoid", "add", "mul", "sub", "div.no_rounding_mode", 
 def sweep(tmp_path_factory):
     out = tmp_path_factory.mktemp("opinfo") / "sweep.json"
     entries = EXPECTED_PASS + sorted(EXPECTED_FAILURES)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           os.path.join(REPO, "benchmarks", "opinfo_sweep.py"), "--mesh", "2", "--ops", ",".join(entries),
-           "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        os.path.join(REPO, "benchmarks", "opinfo_sweep.py"),
+        "--mesh",
+        "2",
+        "--ops",
+        ",".join(entries),
+        "--out",
+        str(out),
+    ]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert out.exists(), f"the sweep wrote no results (exit {done.returncode}):\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
+    assert out.exists(), (
+        f"the sweep wrote no results (exit {done.returncode}):\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
+    )
     results = json.loads(out.read_text())
     assert results["meta"]["complete"], f"the sweep ended early (hang?):\n{done.stdout[-3000:]}"
     return results["entries"]
@@ -72,7 +130,8 @@ def test_entry_passes(sweep, name):
 def test_expected_failure_still_fails(sweep, name):
     record = sweep[name]
     assert record["status"] not in ("pass", "skipped"), (
-        f"{name} now passes: move it from EXPECTED_FAILURES to EXPECTED_PASS")
+        f"{name} now passes: move it from EXPECTED_FAILURES to EXPECTED_PASS"
+    )
 
 
 @pytest.mark.parametrize("name", NATIVE)

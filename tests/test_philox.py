@@ -2,7 +2,8 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sbp_torch._layout._philox import counters_used, philox4x32, random_values, region_flat_indices
 

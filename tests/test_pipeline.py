@@ -3,9 +3,6 @@ register quotas (activations in flight); bad input refused on every rank."""
 
 from __future__ import annotations
 
-import copy
-import os
-import shutil
 import threading
 import time
 
@@ -14,9 +11,10 @@ import torch
 from torch import nn
 
 import sbp_torch as st
-from sbp_torch.pipeline import _actors as actors
 from sbp_torch.pipeline import Pipeline, PipelineError
+from sbp_torch.pipeline import _actors as actors
 from sbp_torch.sbp import broadcast, split
+
 from world import run_on_world
 
 WIDTH, STEPS = 6, 3
@@ -29,8 +27,7 @@ def _layers(n: int) -> list[nn.Module]:
 
 def _batches(rows: int):
     gen = torch.Generator().manual_seed(1)
-    return [(torch.randn(rows, WIDTH, generator=gen), torch.randn(rows, WIDTH, generator=gen))
-            for _ in range(STEPS)]
+    return [(torch.randn(rows, WIDTH, generator=gen), torch.randn(rows, WIDTH, generator=gen)) for _ in range(STEPS)]
 
 
 def _reference(n_layers: int, rows: int):
@@ -50,8 +47,12 @@ def _reference(n_layers: int, rows: int):
 LAYOUTS = {
     "one rank per stage": (None, None, None, 1),
     "data parallel stages": ([[0, 1], [2, 3]], None, split(0), 2),
-    "tensor parallel stages": ([[0, 1], [2, 3]], [{"0.weight": split(0), "0.bias": split(0)},
-                                                  {"0.weight": split(1)}], broadcast, 1),
+    "tensor parallel stages": (
+        [[0, 1], [2, 3]],
+        [{"0.weight": split(0), "0.bias": split(0)}, {"0.weight": split(1)}],
+        broadcast,
+        1,
+    ),
     "interleaved stages": ("two per rank, round robin", None, None, 1),
 }
 
@@ -62,10 +63,9 @@ def _pipelined(world: int, layout: str, schedule: str, micro_batches: int, rows:
     layers = _layers(len(ranks) * per_stage)
     stages = []
     for s, group in enumerate(ranks):
-        stage = nn.Sequential(*(m for layer in layers[s * per_stage:(s + 1) * per_stage] for m in layer))
+        stage = nn.Sequential(*(m for layer in layers[s * per_stage : (s + 1) * per_stage] for m in layer))
         stages.append(stage.to_global(st.placement(device, group), plans[s] if plans else None))
-    pipe = Pipeline(stages, nn.functional.mse_loss, micro_batches, schedule, input_sbp=input_sbp,
-                    target_sbp=input_sbp)
+    pipe = Pipeline(stages, nn.functional.mse_loss, micro_batches, schedule, input_sbp=input_sbp, target_sbp=input_sbp)
     params = [p for stage in stages for p in stage.parameters()]
     opt = torch.optim.Adam(params, lr=0.01)
     losses, peaks = [], {}
@@ -100,6 +100,7 @@ CASES = [
 ]
 
 
+@pytest.mark.gloo
 @pytest.mark.parametrize("world,layout,schedule,micro_batches,rows", CASES)
 def test_matches_one_process(world, layout, schedule, micro_batches, rows):
     results = run_on_world(world, _pipelined, world, layout, schedule, micro_batches, rows)
@@ -120,6 +121,7 @@ def test_matches_one_process(world, layout, schedule, micro_batches, rows):
 
 # ---- a parameter tied across stages ------------------------------------------------------------------------
 
+
 def _tied_reference(rows: int, steps: int):
     """One Linear applied twice (as stage 0 and stage 1), gradients accumulated over ``steps`` batches."""
     torch.manual_seed(0)
@@ -134,16 +136,20 @@ def _tied_pipelined(rows: int, steps: int, sbp1):
     torch.manual_seed(0)
     shared = nn.Linear(WIDTH, WIDTH)
     other = nn.Linear(WIDTH, WIDTH)  # different values: the pipeline copies stage 0's in
-    stages = [nn.Sequential(shared, nn.Tanh()).to_global(st.placement("cpu", [0, 1]), {"0.weight": split(1)}),
-              nn.Sequential(other, nn.Tanh()).to_global(st.placement("cpu", [2]), sbp1)]
-    pipe = Pipeline(stages, nn.functional.mse_loss, 2, "1f1b", tied=[("0.0.weight", "1.0.weight"),
-                                                                     ("0.0.bias", "1.0.bias")])
+    stages = [
+        nn.Sequential(shared, nn.Tanh()).to_global(st.placement("cpu", [0, 1]), {"0.weight": split(1)}),
+        nn.Sequential(other, nn.Tanh()).to_global(st.placement("cpu", [2]), sbp1),
+    ]
+    pipe = Pipeline(
+        stages, nn.functional.mse_loss, 2, "1f1b", tied=[("0.0.weight", "1.0.weight"), ("0.0.bias", "1.0.bias")]
+    )
     for x, y in _batches(rows)[:steps]:  # no zero_grad: gradients accumulate over the steps
         pipe.step(x, y)
     me = torch.distributed.get_rank()
     return [p.grad.full_tensor() for stage in stages for p in stage.parameters() if me in p.placement]
 
 
+@pytest.mark.gloo
 @pytest.mark.parametrize("sbp1", [broadcast, {"0.weight": split(0)}])
 def test_tied_copies_get_the_shared_gradient(sbp1):
     want = _tied_reference(5, 2)
@@ -163,18 +169,23 @@ def _bad_tie(names) -> str:
     return "accepted"
 
 
-@pytest.mark.parametrize("names,message", [
-    (("0.0.weight", "1.0.bias"), "differ"),
-    (("0.0.weight", "1.0.nothing"), "stage 1 has no parameter '0.nothing'"),
-    (("0.0.weight", "0.0.weight"), "two on one stage"),
-    (("0.0.weight", "7.0.weight"), "stage index below 2"),
-])
+@pytest.mark.gloo
+@pytest.mark.parametrize(
+    "names,message",
+    [
+        (("0.0.weight", "1.0.bias"), "differ"),
+        (("0.0.weight", "1.0.nothing"), "stage 1 has no parameter '0.nothing'"),
+        (("0.0.weight", "0.0.weight"), "two on one stage"),
+        (("0.0.weight", "7.0.weight"), "stage index below 2"),
+    ],
+)
 def test_bad_ties_refused(names, message):
     for got in run_on_world(2, _bad_tie, names):
         assert message in got, got
 
 
 # ---- the runtime alone: quotas make the schedule ----------------------------------------------------------
+
 
 def _one_stage_order(slots: int, m: int) -> list[str]:
     """Order of a stage's forwards and backwards when gradients are always at hand."""
@@ -205,6 +216,7 @@ def test_pending_work_wakes_the_loop():
             time.sleep(0.01)
             done[i] = True
             runtime.notify()
+
         threading.Thread(target=finish).start()
         return actors.Pending(lambda: (i,) if done.get(i) else None)
 
@@ -248,6 +260,7 @@ def test_stuck_graph_raises():
 
 # ---- bad input ----------------------------------------------------------------------------------------------
 
+
 def _refusal(case: str) -> str:
     layers = _layers(3)
     p0, p1, both = st.placement("cpu", [0]), st.placement("cpu", [1]), st.placement("cpu", [0, 1])
@@ -269,14 +282,18 @@ def _refusal(case: str) -> str:
     return "accepted"
 
 
-@pytest.mark.parametrize("case,message", [
-    ("overlap", r"rank 1 is in the placements of stages \[0, 1\], and stage 0 has several ranks"),
-    ("consecutive", "rank 0 holds the consecutive stages 0 and 1"),
-    ("uncovered", r"rank\(s\) \[1\] .* in no stage"),
-    ("two placements", "stage 0 has parameters on two placements"),
-    ("schedule", "unknown schedule 'zigzag'"),
-    ("small batch", "cannot be split into 4 micro-batches"),
-])
+@pytest.mark.gloo
+@pytest.mark.parametrize(
+    "case,message",
+    [
+        ("overlap", r"rank 1 is in the placements of stages \[0, 1\], and stage 0 has several ranks"),
+        ("consecutive", "rank 0 holds the consecutive stages 0 and 1"),
+        ("uncovered", r"rank\(s\) \[1\] .* in no stage"),
+        ("two placements", "stage 0 has parameters on two placements"),
+        ("schedule", "unknown schedule 'zigzag'"),
+        ("small batch", "cannot be split into 4 micro-batches"),
+    ],
+)
 def test_bad_input_refused_on_every_rank(case, message):
     for got in run_on_world(2, _refusal, case):
         assert got != "accepted"
@@ -324,8 +341,10 @@ def _stage_errors(device: str = "cpu") -> list:
     out = []
     for rank, where in FAILURES:
         layers = _layers(3)
-        stages = [(_Boom(layer, rank, where) if s == rank else layer).to_global(st.placement(device, [s]))
-                  for s, layer in enumerate(layers)]
+        stages = [
+            (_Boom(layer, rank, where) if s == rank else layer).to_global(st.placement(device, [s]))
+            for s, layer in enumerate(layers)
+        ]
         pipe = Pipeline(stages, nn.functional.mse_loss, 4, "1f1b")
         try:
             pipe.step(x0, y0)
@@ -339,12 +358,18 @@ def _stage_errors(device: str = "cpu") -> list:
         mine = [p.grad.full_tensor().cpu() for p in stages[here].parameters()]
         theirs = [p.grad for p in reference[here].parameters()]
         staging = pipe._lanes.staging
-        out.append((error, abs(loss - expected.item()) < 1e-6 and all(torch.allclose(a, b, atol=1e-6)
-                                                                      for a, b in zip(mine, theirs)),
-                    staging.scheduler.outstanding if staging is not None else 0))
+        out.append(
+            (
+                error,
+                abs(loss - expected.item()) < 1e-6
+                and all(torch.allclose(a, b, atol=1e-6) for a, b in zip(mine, theirs)),
+                staging.scheduler.outstanding if staging is not None else 0,
+            )
+        )
     return out
 
 
+@pytest.mark.gloo
 def test_stage_error_stops_every_rank_and_the_pipeline_goes_on():
     for results in run_on_world(3, _stage_errors, _timeout=60):
         check_stage_errors(results)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from sbp_torch.pipeline import _cuda_staging
+
 from test_pipeline import CASES, LAYOUTS, _pipelined, _reference, _stage_errors, _stage_ranks, check_stage_errors
 from world import run_on_world
 

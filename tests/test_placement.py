@@ -48,7 +48,12 @@ def test_bad_device_type_is_refused():
 
 def test_sbp_reprs_and_values():
     assert [repr(s) for s in (split(1), broadcast, partial_sum, partial_max, partial_min)] == [
-        "S(1)", "B", "P", "P(max)", "P(min)"]
+        "S(1)",
+        "B",
+        "P",
+        "P(max)",
+        "P(min)",
+    ]
     assert split(0) == split(0) and split(0) != split(1) and hash(split(2)) == hash(split(2))
     with pytest.raises(TypeError):
         split(1.5)

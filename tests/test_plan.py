@@ -64,8 +64,11 @@ def test_nested_split_moves_the_inner_axis_off_the_gathered_dim():
     steps = search(meta, (broadcast, split(0)), point_to_point=False)
     first_gather = next(i for i, s in enumerate(steps) if s.axis == 0)
     assert all(s.dst != split(0) for s in steps[:first_gather] if s.axis == 1)
-    release = [((split(0), split(0)), (split(0), broadcast)), ((split(0), broadcast), (broadcast, broadcast)),
-               ((broadcast, broadcast), (broadcast, split(0)))]
+    release = [
+        ((split(0), split(0)), (split(0), broadcast)),
+        ((split(0), broadcast), (broadcast, broadcast)),
+        ((broadcast, broadcast), (broadcast, split(0))),
+    ]
     assert sum(s.cost for s in steps) < sum(plan(a, b, shape=BIG, placement=GRID).cost for a, b in release)
     p = plan((split(0), split(0)), (broadcast, split(0)), shape=BIG, placement=GRID)
     assert [s.collective for s in p.steps] == [POINT_TO_POINT] and p.bytes_sent == 6 * BIG_N // 4
@@ -79,11 +82,16 @@ def test_mixed_partial_ops_are_reduced_innermost_first():
     of two all-reduces); for a small one, two all-reduces (two collectives, not three)."""
     p = plan((partial_sum, partial_max), (broadcast, broadcast), shape=BIG, placement=GRID)
     assert [(s.axis, s.src, s.collective) for s in p.steps] == [
-        (1, partial_max, "reduce-scatter"), (0, partial_sum, "all-reduce"), (1, split(0), "all-gather")]
+        (1, partial_max, "reduce-scatter"),
+        (0, partial_sum, "all-reduce"),
+        (1, split(0), "all-gather"),
+    ]
     assert p.bytes_sent == 3 * 2 * BIG_N < 2 * 4 * BIG_N
     small = plan((partial_sum, partial_max), (broadcast, broadcast), placement=GRID)
     assert [(s.axis, s.src, s.collective) for s in small.steps] == [
-        (1, partial_max, "all-reduce"), (0, partial_sum, "all-reduce")]
+        (1, partial_max, "all-reduce"),
+        (0, partial_sum, "all-reduce"),
+    ]
 
 
 def test_two_partial_axes_reduce_a_scattered_part():
@@ -106,8 +114,9 @@ def test_latency_counts_per_collective():
 SBPS = [split(0), split(1), broadcast, partial_sum, partial_max, partial_min]
 
 
-@given(st_.sampled_from(list(itertools.product(SBPS, repeat=2))),
-       st_.sampled_from(list(itertools.product(SBPS, repeat=2))))
+@given(
+    st_.sampled_from(list(itertools.product(SBPS, repeat=2))), st_.sampled_from(list(itertools.product(SBPS, repeat=2)))
+)
 def test_every_2d_plan_ends_at_the_target_and_is_deterministic(src, dst):
     grid = st.placement("cpu", [[0, 1], [2, 3]])
     p = plan(src, dst, placement=grid)
@@ -123,10 +132,13 @@ def test_every_2d_plan_ends_at_the_target_and_is_deterministic(src, dst):
     assert plan_boxing.__wrapped__(p.meta, dst) == p  # recomputed, not cached: same steps
 
 
-@pytest.mark.parametrize("src, dst, quarters_moved", [
-    ((split(0), broadcast), (broadcast, split(0)), 4),  # ranks 1 and 2 swap halves (2 quarters each)
-    ((split(0), split(1)), (split(1), split(0)), 2),  # ranks 1 and 2 swap their quarters
-])
+@pytest.mark.parametrize(
+    "src, dst, quarters_moved",
+    [
+        ((split(0), broadcast), (broadcast, split(0)), 4),  # ranks 1 and 2 swap halves (2 quarters each)
+        ((split(0), split(1)), (split(1), split(0)), 2),  # ranks 1 and 2 swap their quarters
+    ],
+)
 def test_swaps_are_point_to_point_at_the_minimum_bytes(src, dst, quarters_moved):
     """Any sequence of collectives gathers a whole axis first; sending just the missing pieces moves the
     minimum, for small tensors (fewer messages) and large ones (fewer bytes) alike."""

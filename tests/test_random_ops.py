@@ -14,19 +14,20 @@ import torch
 import torch.nn.functional as F
 
 import sbp_torch as st
-from op_check import layout
-
 from sbp_torch import gradient_sbp
 from sbp_torch._layout import Partial
 from sbp_torch.sbp import broadcast as B
 from sbp_torch.sbp import partial_max, partial_sum
 from sbp_torch.sbp import split as S
+
+from op_check import layout
 from world import run_on_world
+
+pytestmark = pytest.mark.gloo
 
 SHAPE, P_DROP, SEED = (5, 7), 0.4, 11
 X = torch.randn(SHAPE, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
 PROBS = torch.rand(SHAPE, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-
 
 
 def _uniform():

@@ -3,17 +3,21 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import sbp_torch as st
-from op_check import check_op
 from sbp_torch.sbp import broadcast as B
 from sbp_torch.sbp import partial_max as PMAX
 from sbp_torch.sbp import partial_min as PMIN
 from sbp_torch.sbp import partial_sum as P
 from sbp_torch.sbp import split as S
+
+from op_check import check_op
 from strict_check import strict
 from world import run_on_world
+
+pytestmark = pytest.mark.gloo
 
 X = torch.randn(5, 7, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
 X3 = torch.randn(5, 7, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64)

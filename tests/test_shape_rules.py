@@ -16,19 +16,51 @@ aten = torch.ops.aten
 
 # (op, number of tensor arguments, extra positional arguments)
 OPS = [
-    (aten.add.Tensor, 2, ()), (aten.add.Tensor, 2, ()), (aten.add.Scalar, 1, (2.5,)), (aten.add.Scalar, 1, (3,)),
-    (aten.sub.Tensor, 2, ()), (aten.mul.Tensor, 2, ()), (aten.mul.Scalar, 1, (True,)), (aten.div.Tensor, 2, ()),
-    (aten.div.Tensor_mode, 2, ("floor",)), (aten.eq.Tensor, 2, ()), (aten.lt.Scalar, 1, (0.5,)),
-    (aten.where.self, 3, ()), (aten.maximum.default, 2, ()), (aten.pow.Tensor_Scalar, 1, (2,)),
-    (aten.pow.Tensor_Tensor, 2, ()), (aten.relu.default, 1, ()), (aten.gelu.default, 1, ()),
-    (aten.sigmoid.default, 1, ()), (aten.exp.default, 1, ()), (aten.abs.default, 1, ()), (aten.neg.default, 1, ()),
-    (aten.sqrt.default, 1, ()), (aten.bitwise_and.Tensor, 2, ()), (aten.logical_not.default, 1, ()),
-    (aten.add_.Tensor, 2, ()), (aten.mul_.Scalar, 1, (0.5,)), (aten.lerp.Scalar, 2, (0.3,)),
-    (aten.addcmul.default, 3, ()), (aten.masked_fill.Scalar, 2, (1.0,)), (aten.threshold_backward.default, 2, (0.0,)),
-    (aten.clamp.default, 1, (0.0, 1.0)), (aten.remainder.Scalar, 1, (3,)), (aten.isnan.default, 1, ()),
+    (aten.add.Tensor, 2, ()),
+    (aten.add.Tensor, 2, ()),
+    (aten.add.Scalar, 1, (2.5,)),
+    (aten.add.Scalar, 1, (3,)),
+    (aten.sub.Tensor, 2, ()),
+    (aten.mul.Tensor, 2, ()),
+    (aten.mul.Scalar, 1, (True,)),
+    (aten.div.Tensor, 2, ()),
+    (aten.div.Tensor_mode, 2, ("floor",)),
+    (aten.eq.Tensor, 2, ()),
+    (aten.lt.Scalar, 1, (0.5,)),
+    (aten.where.self, 3, ()),
+    (aten.maximum.default, 2, ()),
+    (aten.pow.Tensor_Scalar, 1, (2,)),
+    (aten.pow.Tensor_Tensor, 2, ()),
+    (aten.relu.default, 1, ()),
+    (aten.gelu.default, 1, ()),
+    (aten.sigmoid.default, 1, ()),
+    (aten.exp.default, 1, ()),
+    (aten.abs.default, 1, ()),
+    (aten.neg.default, 1, ()),
+    (aten.sqrt.default, 1, ()),
+    (aten.bitwise_and.Tensor, 2, ()),
+    (aten.logical_not.default, 1, ()),
+    (aten.add_.Tensor, 2, ()),
+    (aten.mul_.Scalar, 1, (0.5,)),
+    (aten.lerp.Scalar, 2, (0.3,)),
+    (aten.addcmul.default, 3, ()),
+    (aten.masked_fill.Scalar, 2, (1.0,)),
+    (aten.threshold_backward.default, 2, (0.0,)),
+    (aten.clamp.default, 1, (0.0, 1.0)),
+    (aten.remainder.Scalar, 1, (3,)),
+    (aten.isnan.default, 1, ()),
 ]
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8,
-          torch.bool, torch.complex64]
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+]
 SHAPE = st_.lists(st_.integers(1, 4), min_size=0, max_size=3).map(tuple)
 
 
@@ -41,8 +73,11 @@ def _run(func, args):
 
 
 @settings(max_examples=400, deadline=None)
-@given(case=st_.sampled_from(OPS), shapes=st_.lists(SHAPE, min_size=3, max_size=3),
-       dtypes=st_.lists(st_.sampled_from(DTYPES), min_size=3, max_size=3))
+@given(
+    case=st_.sampled_from(OPS),
+    shapes=st_.lists(SHAPE, min_size=3, max_size=3),
+    dtypes=st_.lists(st_.sampled_from(DTYPES), min_size=3, max_size=3),
+)
 def test_rule_agrees_with_tracing(case, shapes, dtypes):
     func, n, extra = case
     tensors = [torch.zeros(shape, dtype=dtype) for shape, dtype in zip(shapes[:n], dtypes[:n])]
@@ -57,12 +92,15 @@ def test_rule_agrees_with_tracing(case, shapes, dtypes):
         assert (ruled[0].shape, ruled[0].dtype) == real, (func, shapes[:n], dtypes[:n])
 
 
-@pytest.mark.parametrize("func,args", [
-    (aten.bernoulli.p, (torch.zeros(3), 0.5)),  # draws random numbers: running it would move the generator
-    (aten.add.out, (torch.zeros(3), torch.zeros(3))),
-    (aten.cat.default, ([torch.zeros(3), torch.zeros(3)],)),
-    (aten.add_.Tensor, (torch.zeros(3), torch.zeros(2, 3))),  # self would have to grow
-])
+@pytest.mark.parametrize(
+    "func,args",
+    [
+        (aten.bernoulli.p, (torch.zeros(3), 0.5)),  # draws random numbers: running it would move the generator
+        (aten.add.out, (torch.zeros(3), torch.zeros(3))),
+        (aten.cat.default, ([torch.zeros(3), torch.zeros(3)],)),
+        (aten.add_.Tensor, (torch.zeros(3), torch.zeros(2, 3))),  # self would have to grow
+    ],
+)
 def test_rule_declines_what_it_cannot_know(func, args):
     state = torch.get_rng_state()
     assert pointwise_outputs(func, args, {}) is None
@@ -74,11 +112,15 @@ def test_rule_answers_common_calls_with_torchs_promotion():
     default dtype (plus 2.5 is float32), and a float16 vector stays float16 beside a 0-dim float64."""
     ruled = pointwise_outputs(aten.add.Tensor, (torch.zeros(3, 4), torch.zeros(4)), {})
     assert ruled is not None and (ruled[0].shape, ruled[0].dtype) == ((3, 4), torch.float32)
-    ruled = pointwise_outputs(aten.add.Tensor, (torch.zeros(3, dtype=torch.int64), torch.tensor(1.0, dtype=torch.float64)), {})
+    ruled = pointwise_outputs(
+        aten.add.Tensor, (torch.zeros(3, dtype=torch.int64), torch.tensor(1.0, dtype=torch.float64)), {}
+    )
     assert ruled is not None and (ruled[0].shape, ruled[0].dtype) == ((3,), torch.float64)
     ruled = pointwise_outputs(aten.add.Scalar, (torch.zeros(3, dtype=torch.int64), 2.5), {})
     assert ruled is not None and (ruled[0].shape, ruled[0].dtype) == ((3,), torch.float32)
-    ruled = pointwise_outputs(aten.mul.Tensor, (torch.zeros(3, dtype=torch.float16), torch.tensor(2.0, dtype=torch.float64)), {})
+    ruled = pointwise_outputs(
+        aten.mul.Tensor, (torch.zeros(3, dtype=torch.float16), torch.tensor(2.0, dtype=torch.float64)), {}
+    )
     assert ruled is not None and ruled[0].dtype == torch.float16
     ruled = pointwise_outputs(aten.eq.Scalar, (torch.zeros(2, 1, 5), 1), {})
     assert ruled is not None and (ruled[0].shape, ruled[0].dtype) == ((2, 1, 5), torch.bool)
@@ -100,10 +142,18 @@ TABLE_CASES = [
     (aten.cat.default, lambda s, d: ([torch.randn(s, dtype=d), torch.randn((2,) + s, dtype=d)], 0)),
     (aten.transpose.int, lambda s, d: (torch.randn(s, dtype=d), 0, -1)),
     (aten.mm.default, lambda s, d: (torch.randn(s[:2], dtype=d), torch.randn(s[-1:] + (3,), dtype=d))),
-    (aten.addmm.default, lambda s, d: (torch.randn(s[-1:], dtype=d), torch.randn((2,) + s[:1], dtype=d),
-                                       torch.randn(s[:1] + s[-1:], dtype=d))),
-    (aten.addmm.default, lambda s, d: (torch.randn(s, dtype=d), torch.randn((2, 3), dtype=d),
-                                       torch.randn((3, 4), dtype=d))),
+    (
+        aten.addmm.default,
+        lambda s, d: (
+            torch.randn(s[-1:], dtype=d),
+            torch.randn((2,) + s[:1], dtype=d),
+            torch.randn(s[:1] + s[-1:], dtype=d),
+        ),
+    ),
+    (
+        aten.addmm.default,
+        lambda s, d: (torch.randn(s, dtype=d), torch.randn((2, 3), dtype=d), torch.randn((3, 4), dtype=d)),
+    ),
     (aten.t.default, lambda s, d: (torch.randn(s, dtype=d),)),
     (aten.view.default, lambda s, d: (torch.randn(s, dtype=d), [-1])),
     (aten.view.default, lambda s, d: (torch.randn(s, dtype=d), [s[0], -1])),
@@ -114,14 +164,18 @@ TABLE_CASES = [
 
 
 @settings(max_examples=200, deadline=None)
-@given(case=st_.sampled_from(TABLE_CASES), shape=st_.lists(st_.integers(1, 4), min_size=1, max_size=3).map(tuple),
-       dtype=st_.sampled_from([torch.float32, torch.float64, torch.bfloat16, torch.int64]))
+@given(
+    case=st_.sampled_from(TABLE_CASES),
+    shape=st_.lists(st_.integers(1, 4), min_size=1, max_size=3).map(tuple),
+    dtype=st_.sampled_from([torch.float32, torch.float64, torch.bfloat16, torch.int64]),
+)
 def test_table_rules_agree_with_the_op(case, shape, dtype):
     from sbp_torch._dispatch import BoundCall
     from sbp_torch._dispatch._outputs import ruled_outputs
 
     func, build = case
     if dtype is torch.int64:
+
         def as_long(a):
             if isinstance(a, list):
                 return [as_long(t) for t in a]

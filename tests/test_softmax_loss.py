@@ -3,16 +3,20 @@ that cross entropy over logits split on the classes (vocabulary-parallel) never 
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 import sbp_torch as st
-from op_check import check_op, layout
 from sbp_torch.sbp import broadcast as B
 from sbp_torch.sbp import partial_sum as P
 from sbp_torch.sbp import split as S
+
+from op_check import check_op, layout
 from strict_check import gradient_layouts, strict_recording_moves
 from world import run_on_world
+
+pytestmark = pytest.mark.gloo
 
 GEN = torch.Generator().manual_seed(0)
 X = torch.randn(5, 7, generator=GEN, dtype=torch.float64)

@@ -9,17 +9,21 @@ number of parts.
 from __future__ import annotations
 
 from functools import partial
+
 import pytest
 import torch
 
 import sbp_torch as st
-from op_check import check_op
 from sbp_torch._signatures.views import view_blocks
 from sbp_torch.sbp import broadcast as B
 from sbp_torch.sbp import partial_max, partial_sum
 from sbp_torch.sbp import split as S
+
+from op_check import check_op
 from strict_check import strict
 from world import run_on_world
+
+pytestmark = pytest.mark.gloo
 
 
 def _x(*shape, seed=0):

@@ -9,6 +9,8 @@ import torch.distributed as dist
 
 from world import RankFailure, run_on_world
 
+pytestmark = pytest.mark.gloo
+
 
 def _rank_sum():
     t = torch.tensor([dist.get_rank()])

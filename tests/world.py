@@ -89,16 +89,19 @@ class _World:
     def __init__(self, size):
         self.size = size
         # The parent hosts the rendezvous store on a kernel-chosen port: no port races.
-        self.store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, timeout=PG_TIMEOUT,
-                                   wait_for_workers=False)
+        self.store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, timeout=PG_TIMEOUT, wait_for_workers=False)
         ctx = mp.get_context("spawn")
         self.procs, self.conns = [], []
         self.stack_dir = tempfile.mkdtemp(prefix=f"world{size}-")
         self.stack_paths = [os.path.join(self.stack_dir, f"rank{rank}.txt") for rank in range(size)]
         for rank in range(size):
             parent_end, child_end = ctx.Pipe()
-            proc = ctx.Process(target=_worker, args=(rank, size, self.store.port, child_end, self.stack_paths[rank]),
-                               name=f"world{size}-rank{rank}", daemon=True)
+            proc = ctx.Process(
+                target=_worker,
+                args=(rank, size, self.store.port, child_end, self.stack_paths[rank]),
+                name=f"world{size}-rank{rank}",
+                daemon=True,
+            )
             proc.start()
             child_end.close()  # so that a dead worker reads as EOF on parent_end
             self.procs.append(proc)
@@ -145,8 +148,7 @@ class _World:
         missing = [r for r in range(self.size) if r not in results and r not in failures]
         stacks = self.stacks(missing)
         self.kill()
-        lines = [f"{what} failed on rank(s) {sorted(failures)}" if failures
-                 else f"{what} timed out after {timeout:g}s"]
+        lines = [f"{what} failed on rank(s) {sorted(failures)}" if failures else f"{what} timed out after {timeout:g}s"]
         if missing:
             lines.append(f"rank(s) {missing} did not answer (blocked or hung; world killed)")
         for rank in sorted(failures):
@@ -194,6 +196,7 @@ class _World:
 
 
 _worlds = {}  # world size -> live _World
+worlds_allowed = True  # False inside a test not marked gloo or gpu (see conftest.py)
 
 
 def run_on_world(n, fn, *args, _timeout=120.0, **kwargs):
@@ -202,6 +205,10 @@ def run_on_world(n, fn, *args, _timeout=120.0, **kwargs):
     Raises RankFailure (an AssertionError) naming the ranks that raised, died or
     did not answer within ``_timeout`` seconds, with their tracebacks.
     """
+    if not worlds_allowed:
+        raise RuntimeError(
+            "run_on_world in a test that is not marked gloo (or gpu): mark it, so that its tier holds it"
+        )
     world = _worlds.get(n)
     if world is None or not world.alive():
         if world is not None:

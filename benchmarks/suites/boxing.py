@@ -192,8 +192,9 @@ class _Env:
     """A placement and the DTensor mesh of the same ranks; this rank's coordinate on them."""
 
     def __init__(self, mesh_shape: tuple[int, ...]):
-        import sbp_torch as st
         from torch.distributed.device_mesh import init_device_mesh
+
+        import sbp_torch as st
 
         self.shape = mesh_shape
         self.name = "x".join(map(str, mesh_shape))
@@ -228,8 +229,12 @@ class _Env:
         plain = [_dt_placement("B" if t.startswith("P") else t) for t in layout]
         their_local = distribute_tensor(value, self.mesh, plain, src_data_rank=None).to_local()
         theirs = DTensor.from_local(
-            their_local, self.mesh, [_dt_placement(t) for t in layout], run_check=False,
-            shape=full.shape, stride=full.stride(),
+            their_local,
+            self.mesh,
+            [_dt_placement(t) for t in layout],
+            run_check=False,
+            shape=full.shape,
+            stride=full.stride(),
         )
         return ours, theirs
 
@@ -297,8 +302,10 @@ def _bare_point_to_point(pieces):
     buffers = [(torch.randn(p.lengths) if p.src == me else torch.empty(p.lengths), p, tag) for p, tag in mine]
 
     def run():
-        ops = [dist.P2POp(dist.isend if p.src == me else dist.irecv, buf, p.dst if p.src == me else p.src, tag=tag)
-               for buf, p, tag in buffers]
+        ops = [
+            dist.P2POp(dist.isend if p.src == me else dist.irecv, buf, p.dst if p.src == me else p.src, tag=tag)
+            for buf, p, tag in buffers
+        ]
         for work in dist.batch_isend_irecv(ops) if ops else []:
             work.wait()
 
@@ -359,7 +366,11 @@ def _case(env: _Env, src, dst, label, shape, quick) -> dict:
     dst_dt = [_dt_placement(t) for t in dst]
     plan = st.boxing_plan(ours, dst_sbp)
     row = {
-        "mesh": env.name, "src": list(src), "dst": list(dst), "size": label, "shape": list(shape),
+        "mesh": env.name,
+        "src": list(src),
+        "dst": list(dst),
+        "size": label,
+        "shape": list(shape),
         "nbytes": full.numel() * full.element_size(),
         "plan": [_step_label(s) for s in plan.steps],
         "bytes_sbp": plan.bytes_sent,
@@ -434,7 +445,7 @@ def report(rows: list[dict]) -> str:
         "minimum (`min_bytes` in `benchmarks/suites/boxing.py`). *bare* runs the collectives of sbp_torch's plan on",
         "plain tensors in the same groups (— where the plan is local). *view*: the result's local part lies in",
         "the source's storage (sbp_torch / DTensor). †: DTensor's public `redistribute` refuses this transition",
-        "(a partial target is \"for internal use only\"); the time is its internal `Redistribute`. Targets:",
+        '(a partial target is "for internal use only"); the time is its internal `Redistribute`. Targets:',
         "sbp_torch ≤ 1.0x DTensor, ≤ 1.2x bare, bytes = minimum.",
         "",
         "## Summary",
@@ -448,15 +459,28 @@ def report(rows: list[dict]) -> str:
         over = {_transition(r) for r in mine if r["bytes_sbp"] != r["bytes_min"]}
         unsupported = sorted({_transition(r) for r in mine if r.get("dtensor_error")})
         wrong = sorted({_transition(r) for r in mine if r.get("sbp_error")})
-        summary.append([
-            mesh, f"{dt_ok} / {dt_n}", f"{bare_ok} / {bare_n}",
-            f"{len({_transition(r) for r in mine}) - len(over)} / {len({_transition(r) for r in mine})}",
-            ", ".join(sorted(over)) or "—", ", ".join(unsupported) or "—", ", ".join(wrong) or "—",
-        ])
+        summary.append(
+            [
+                mesh,
+                f"{dt_ok} / {dt_n}",
+                f"{bare_ok} / {bare_n}",
+                f"{len({_transition(r) for r in mine}) - len(over)} / {len({_transition(r) for r in mine})}",
+                ", ".join(sorted(over)) or "—",
+                ", ".join(unsupported) or "—",
+                ", ".join(wrong) or "—",
+            ]
+        )
     parts += [
         harness.markdown_table(
-            ["placement", "≤ 1.0x DTensor", "≤ 1.2x bare", "transitions at min bytes", "above min bytes",
-             "DTensor unsupported / wrong", "sbp_torch wrong"],
+            [
+                "placement",
+                "≤ 1.0x DTensor",
+                "≤ 1.2x bare",
+                "transitions at min bytes",
+                "above min bytes",
+                "DTensor unsupported / wrong",
+                "sbp_torch wrong",
+            ],
             summary,
         ),
         "",
@@ -466,22 +490,41 @@ def report(rows: list[dict]) -> str:
         table = []
         for r in (r for r in rows if r["mesh"] == mesh):
             unit = "ms" if r["nbytes"] > 2**21 else "us"
-            table.append([
-                _transition(r), f"{r['size']} {tuple(r['shape'])}",
-                harness.fmt(r.get("sbp"), unit) if not r.get("sbp_error") else "wrong",
-                (harness.fmt(r.get("dtensor"), unit) + (" †" if r.get("dtensor_route") == "internal" else ""))
-                if not r.get("dtensor_error") else r["dtensor_error"].split(":")[0],
-                harness.fmt(r.get("bare"), unit),
-                harness.ratio(r.get("sbp"), r.get("dtensor")), harness.ratio(r.get("sbp"), r.get("bare")),
-                _bytes(r["bytes_sbp"]), _bytes(r["bytes_min"]),
-                f"{r['bytes_sbp'] / r['bytes_min']:.2f}x" if r["bytes_min"] else ("=" if not r["bytes_sbp"] else "∞"),
-                f"{'yes' if r['sbp_view'] else 'no'} / "
-                + ("—" if r.get("dtensor_error") else ("yes" if r["dtensor_view"] else "no")),
-            ])
+            table.append(
+                [
+                    _transition(r),
+                    f"{r['size']} {tuple(r['shape'])}",
+                    harness.fmt(r.get("sbp"), unit) if not r.get("sbp_error") else "wrong",
+                    (harness.fmt(r.get("dtensor"), unit) + (" †" if r.get("dtensor_route") == "internal" else ""))
+                    if not r.get("dtensor_error")
+                    else r["dtensor_error"].split(":")[0],
+                    harness.fmt(r.get("bare"), unit),
+                    harness.ratio(r.get("sbp"), r.get("dtensor")),
+                    harness.ratio(r.get("sbp"), r.get("bare")),
+                    _bytes(r["bytes_sbp"]),
+                    _bytes(r["bytes_min"]),
+                    f"{r['bytes_sbp'] / r['bytes_min']:.2f}x"
+                    if r["bytes_min"]
+                    else ("=" if not r["bytes_sbp"] else "∞"),
+                    f"{'yes' if r['sbp_view'] else 'no'} / "
+                    + ("—" if r.get("dtensor_error") else ("yes" if r["dtensor_view"] else "no")),
+                ]
+            )
         parts += [
             harness.markdown_table(
-                ["transition", "size", "sbp_torch", "DTensor", "bare", "sbp/DT", "sbp/bare", "bytes sbp_torch",
-                 "min bytes", "bytes/min", "view"],
+                [
+                    "transition",
+                    "size",
+                    "sbp_torch",
+                    "DTensor",
+                    "bare",
+                    "sbp/DT",
+                    "sbp/bare",
+                    "bytes sbp_torch",
+                    "min bytes",
+                    "bytes/min",
+                    "view",
+                ],
                 table,
             ),
             "",
@@ -513,8 +556,9 @@ def plot(rows: list[dict], path: str) -> None:
     colors = {"sbp": "#1f77b4", "dtensor": "#ff7f0e", "bare": "#2ca02c"}
     labels = {"sbp": "sbp_torch", "dtensor": "DTensor", "bare": "bare"}
     cols = 5
-    fig, axes = plt.subplots(-(-len(names) // cols), cols, figsize=(3.4 * cols, 2.8 * -(-len(names) // cols)),
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        -(-len(names) // cols), cols, figsize=(3.4 * cols, 2.8 * -(-len(names) // cols)), squeeze=False
+    )
     for ax, name in zip(axes.flat, names):
         for mesh in meshes:
             mine = [r for r in rows if r["mesh"] == mesh and _transition(r) == name]
@@ -528,7 +572,7 @@ def plot(rows: list[dict], path: str) -> None:
         ax.set_title(name, fontsize=9)
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
-    for ax in axes.flat[len(names):]:
+    for ax in axes.flat[len(names) :]:
         ax.axis("off")
     handles = {}
     for ax in axes.flat:

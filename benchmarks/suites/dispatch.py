@@ -14,7 +14,7 @@ What is timed, per op:
 * **hit**: the op on the same global inputs again and again, so every decision is cached (sbp_torch's
   signature cache, DTensor's sharding-propagation cache). The inputs do not require grad, so autograd
   records nothing, as in inference and optimizer steps: sbp_torch runs such calls as *local calls*, the
-  torch function on the local parts, without entering ``__torch_dispatch__`` (``sbp_torch/_local_calls.py``);
+  torch function on the local parts, without entering ``__torch_dispatch__`` (``sbp_torch/_frontend/_local_calls.py``);
 * **hit, grad**: the same with inputs that require grad, so autograd records every call, as in a training
   forward: both libraries then take their dispatch path (not timed for the in-place op, which torch refuses
   on a leaf that requires grad);
@@ -23,13 +23,13 @@ What is timed, per op:
   region and each timed call takes the next one. The op itself was seen before (the hit measurement ran
   first), so a miss is the price of a new shape, as in training with a variable sequence length.
 
-Method: floor and hit ops take microseconds, so one sample times ``LOOP`` back-to-back calls and divides by
-``LOOP``; the floor, sbp_torch and DTensor take turns sample by sample, so that a drift in the machine's
-speed (it is shared) falls on all three alike. A miss takes milliseconds and is timed one call per sample. Ranks start each measurement together
-(a barrier) but are not synchronised per sample, since the ops are local. Each rank summarises its own
-samples (median and quartiles); the table shows the rank with the largest median, as the slowest rank sets
-the pace of a distributed step. Before anything is timed, one call of each op is checked against the plain
-torch op on the full tensors, for both libraries, so a wrong fast path cannot produce a good number.
+Method: floor and hit ops take microseconds, so one sample times ``LOOP`` back-to-back calls and divides by ``LOOP``;
+the floor, sbp_torch and DTensor take turns sample by sample, so that a drift in the machine's speed (it is shared)
+falls on all three alike. A miss takes milliseconds and is timed one call per sample. Ranks start each measurement
+together (a barrier) but are not synchronised per sample, since the ops are local. Each rank summarises its own
+samples (median and quartiles); the table shows the rank with the largest median, as the slowest rank sets the pace of
+a distributed step. Before anything is timed, one call of each op is checked against the plain torch op on the full
+tensors, for both libraries, so a wrong fast path cannot produce a good number.
 """
 
 from __future__ import annotations
@@ -113,8 +113,9 @@ class _Env:
     """One placement and the DTensor mesh of the same ranks, and this rank's coordinate on them."""
 
     def __init__(self, mesh_shape: tuple[int, ...]):
-        import sbp_torch as st
         from torch.distributed.device_mesh import init_device_mesh
+
+        import sbp_torch as st
 
         ranks = torch.arange(math.prod(mesh_shape)).view(mesh_shape).tolist()
         self.shape = mesh_shape
@@ -150,8 +151,12 @@ class _Env:
             ours.append(local.clone().to_global(self.placement, tuple(map(_sbp, layout)), check_meta=False))
             theirs.append(
                 DTensor.from_local(
-                    local.clone(), self.mesh, [_placement_dt(t) for t in layout], run_check=False,
-                    shape=full.shape, stride=full.stride(),
+                    local.clone(),
+                    self.mesh,
+                    [_placement_dt(t) for t in layout],
+                    run_check=False,
+                    shape=full.shape,
+                    stride=full.stride(),
                 )
             )
         return fulls, ours, theirs, locals_
@@ -268,14 +273,23 @@ def report(rows: list[dict]) -> str:
         mine = [r for r in rows if r["mesh"] == mesh]
         table = []
         for r in mine:
-            table.append([
-                r["op"], f"`{r['layout']}`", f"{r['comm_sbp']} / {r['comm_dtensor']}", harness.fmt(r["floor"]),
-                harness.fmt(r["sbp_hit"]), harness.fmt(r["dtensor_hit"]), harness.ratio(r["sbp_hit"], r["dtensor_hit"]),
-                harness.fmt(r.get("sbp_hit_grad")), harness.fmt(r.get("dtensor_hit_grad")),
-                harness.ratio(r.get("sbp_hit_grad"), r.get("dtensor_hit_grad")),
-                harness.fmt(r["sbp_miss"], "ms"), harness.fmt(r["dtensor_miss"], "ms"),
-                harness.ratio(r["sbp_miss"], r["dtensor_miss"]),
-            ])
+            table.append(
+                [
+                    r["op"],
+                    f"`{r['layout']}`",
+                    f"{r['comm_sbp']} / {r['comm_dtensor']}",
+                    harness.fmt(r["floor"]),
+                    harness.fmt(r["sbp_hit"]),
+                    harness.fmt(r["dtensor_hit"]),
+                    harness.ratio(r["sbp_hit"], r["dtensor_hit"]),
+                    harness.fmt(r.get("sbp_hit_grad")),
+                    harness.fmt(r.get("dtensor_hit_grad")),
+                    harness.ratio(r.get("sbp_hit_grad"), r.get("dtensor_hit_grad")),
+                    harness.fmt(r["sbp_miss"], "ms"),
+                    harness.fmt(r["dtensor_miss"], "ms"),
+                    harness.ratio(r["sbp_miss"], r["dtensor_miss"]),
+                ]
+            )
         hit = [_med(r["sbp_hit"]) / _med(r["dtensor_hit"]) for r in mine]
         grad = [_med(r["sbp_hit_grad"]) / _med(r["dtensor_hit_grad"]) for r in mine if "sbp_hit_grad" in r]
         miss = [_med(r["sbp_miss"]) / _med(r["dtensor_miss"]) for r in mine]
@@ -283,9 +297,21 @@ def report(rows: list[dict]) -> str:
             f"## Placement {mesh}",
             "",
             harness.markdown_table(
-                ["op", "layout", "comm", "floor (local op)", "sbp_torch hit", "DTensor hit", "hit ratio",
-                 "sbp_torch hit, grad", "DTensor hit, grad", "ratio, grad",
-                 "sbp_torch miss", "DTensor miss", "miss ratio"],
+                [
+                    "op",
+                    "layout",
+                    "comm",
+                    "floor (local op)",
+                    "sbp_torch hit",
+                    "DTensor hit",
+                    "hit ratio",
+                    "sbp_torch hit, grad",
+                    "DTensor hit, grad",
+                    "ratio, grad",
+                    "sbp_torch miss",
+                    "DTensor miss",
+                    "miss ratio",
+                ],
                 table,
             ),
             "",
@@ -313,9 +339,13 @@ def plot(rows: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     meshes = list(dict.fromkeys(r["mesh"] for r in rows))
-    series = [("floor", "floor (local op)", "#999999"), ("sbp_hit", "sbp_torch hit", "#1f77b4"),
-              ("dtensor_hit", "DTensor hit", "#ff7f0e"), ("sbp_miss", "sbp_torch miss", "#aec7e8"),
-              ("dtensor_miss", "DTensor miss", "#ffbb78")]
+    series = [
+        ("floor", "floor (local op)", "#999999"),
+        ("sbp_hit", "sbp_torch hit", "#1f77b4"),
+        ("dtensor_hit", "DTensor hit", "#ff7f0e"),
+        ("sbp_miss", "sbp_torch miss", "#aec7e8"),
+        ("dtensor_miss", "DTensor miss", "#ffbb78"),
+    ]
     fig, axes = plt.subplots(len(meshes), 1, figsize=(12, 3.6 * len(meshes)), squeeze=False)
     for ax, mesh in zip(axes[:, 0], meshes):
         mine = [r for r in rows if r["mesh"] == mesh]

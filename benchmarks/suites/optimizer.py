@@ -57,6 +57,7 @@ def load_gpt_example():
 
 def code_state() -> str:
     """The commit measured, marked when ``sbp_torch/`` had uncommitted changes (work in progress)."""
+
     def git(*args):
         return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
 
@@ -90,8 +91,10 @@ def load_note(rows: list[dict]) -> str:
     loads = [r["load"] for r in rows if "load" in r]
     if not loads:
         return ""
-    return (f"1-minute load average of the machine after each measurement: {min(loads):.1f} to {max(loads):.1f} "
-            f"({os.cpu_count()} cores); above the number of ranks means other jobs shared the cores.")
+    return (
+        f"1-minute load average of the machine after each measurement: {min(loads):.1f} to {max(loads):.1f} "
+        f"({os.cpu_count()} cores); above the number of ranks means other jobs shared the cores."
+    )
 
 
 def _adamw(params) -> torch.optim.AdamW:
@@ -138,40 +141,63 @@ def measure(world: int, quick: bool) -> list[dict]:
         rows += _case(gpt, layers, world, quick, code)
         if dist.get_rank() == 0:
             r = rows[-1]
-            print(f"  {r['tensors']} tensors: plain {r['plain']['median_us']:.0f} us, sbp_torch "
-                  f"{r['sbp_torch']['median_us']:.0f} us, DTensor {r['dtensor']['median_us']:.0f} us", flush=True)
+            print(
+                f"  {r['tensors']} tensors: plain {r['plain']['median_us']:.0f} us, sbp_torch "
+                f"{r['sbp_torch']['median_us']:.0f} us, DTensor {r['dtensor']['median_us']:.0f} us",
+                flush=True,
+            )
     return rows
 
 
 def report(rows: list[dict]) -> str:
-    header = ["ranks", "tensors", "plain", "sbp_torch", "sbp_torch / plain", "DTensor", "DTensor / plain",
-              "max abs. difference sbp_torch, DTensor"]
-    table = [[r["world"], f"{r['tensors']} ({r['numel'] / 1e3:.0f}k values)", harness.fmt(r["plain"], "ms"),
-              harness.fmt(r["sbp_torch"], "ms"), harness.ratio(r["sbp_torch"], r["plain"]),
-              harness.fmt(r["dtensor"], "ms"),
-              harness.ratio(r["dtensor"], r["plain"]),
-              f"{r['max_abs_diff_sbp_torch']:.1e}, {r['max_abs_diff_dtensor']:.1e}"] for r in rows]
+    header = [
+        "ranks",
+        "tensors",
+        "plain",
+        "sbp_torch",
+        "sbp_torch / plain",
+        "DTensor",
+        "DTensor / plain",
+        "max abs. difference sbp_torch, DTensor",
+    ]
+    table = [
+        [
+            r["world"],
+            f"{r['tensors']} ({r['numel'] / 1e3:.0f}k values)",
+            harness.fmt(r["plain"], "ms"),
+            harness.fmt(r["sbp_torch"], "ms"),
+            harness.ratio(r["sbp_torch"], r["plain"]),
+            harness.fmt(r["dtensor"], "ms"),
+            harness.ratio(r["dtensor"], r["plain"]),
+            f"{r['max_abs_diff_sbp_torch']:.1e}, {r['max_abs_diff_dtensor']:.1e}",
+        ]
+        for r in rows
+    ]
     verdicts = []
     for r in rows:
         if r["layers"] != LAYERS:
             continue
         times = r["sbp_torch"]["median_us"] / r["plain"]["median_us"]
-        verdicts.append(f"- {r['world']} ranks: sbp_torch / plain = {times:.2f}x: target ≤ {TARGET:.0f}x "
-                        f"{'met' if times <= TARGET else 'missed'}.")
-    return "\n".join([
-        "One `torch.optim.AdamW(foreach=True).step()` on every rank, median (quartiles) in ms of the slowest "
-        "rank; gradients set beforehand. Written by `benchmarks/suites/optimizer.py` (its docstring says "
-        "what is measured and why).",
-        "",
-        harness.markdown_table(header, table),
-        "",
-        "**Target** (sbp_torch data-parallel step ≤ 2x the plain step, ~50 tensors):",
-        "",
-        *verdicts,
-        "",
-        f"The last column is the largest difference of a parameter from the plain one after the same steps. "
-        f"Code measured: {rows[0]['code'] if rows else '?'}. {load_note(rows)}",
-    ])
+        verdicts.append(
+            f"- {r['world']} ranks: sbp_torch / plain = {times:.2f}x: target ≤ {TARGET:.0f}x "
+            f"{'met' if times <= TARGET else 'missed'}."
+        )
+    return "\n".join(
+        [
+            "One `torch.optim.AdamW(foreach=True).step()` on every rank, median (quartiles) in ms of the slowest "
+            "rank; gradients set beforehand. Written by `benchmarks/suites/optimizer.py` (its docstring says "
+            "what is measured and why).",
+            "",
+            harness.markdown_table(header, table),
+            "",
+            "**Target** (sbp_torch data-parallel step ≤ 2x the plain step, ~50 tensors):",
+            "",
+            *verdicts,
+            "",
+            f"The last column is the largest difference of a parameter from the plain one after the same steps. "
+            f"Code measured: {rows[0]['code'] if rows else '?'}. {load_note(rows)}",
+        ]
+    )
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -186,8 +212,10 @@ def plot(rows: list[dict], path: str) -> None:
     for i, lib in enumerate(LIBRARIES):
         xs = [j + (i - 1) * width for j in range(len(rows))]
         med = [r[lib]["median_us"] / 1e3 for r in rows]
-        err = [[(r[lib]["median_us"] - r[lib]["q1_us"]) / 1e3 for r in rows],
-               [(r[lib]["q3_us"] - r[lib]["median_us"]) / 1e3 for r in rows]]
+        err = [
+            [(r[lib]["median_us"] - r[lib]["q1_us"]) / 1e3 for r in rows],
+            [(r[lib]["q3_us"] - r[lib]["median_us"]) / 1e3 for r in rows],
+        ]
         ax.bar(xs, med, width, yerr=err, capsize=3, label=labels[lib])
     ax.set_xticks(range(len(rows)), [f"{r['world']} ranks\n{r['tensors']} tensors" for r in rows])
     ax.set_ylabel("AdamW step (ms), median and quartiles")

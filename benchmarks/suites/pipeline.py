@@ -38,8 +38,8 @@ from torch import nn
 
 import sbp_torch as st
 from benchmarks.harness import markdown_table
-from sbp_torch.pipeline import _transfer as transfer
 from sbp_torch.pipeline import SCHEDULES, Pipeline
+from sbp_torch.pipeline import _transfer as transfer
 
 TITLE = "Pipeline schedules: bubbles, activations in flight, transfer overlap"
 WORLDS = [2, 4]
@@ -198,22 +198,35 @@ def _torch_pipelining_step(world: int, m: int, schedule: str, batch: torch.Tenso
 def _side_by_side_rows(world: int, m: int, schedule: str, numel: int, repeats: int) -> list[dict]:
     """Wall times of a step, sbp_torch beside torch.distributed.pipelining, with tiny and loopback payloads."""
     pipe, rows = _pipeline(world, m, schedule), []
-    for transfer, cols in [("tiny", 4), ("loopback payload", numel)]:
+    for payload, cols in [("tiny", 4), ("loopback payload", numel)]:
         batch = torch.ones(m, cols)
         pipe.step(batch, batch)
         ours = _wall_seconds(lambda: pipe.step(batch, batch), repeats)
         theirs = _torch_pipelining_step(world, m, schedule, batch, repeats)
-        rows.append({"kind": "side by side", "p": world, "m": m, "schedule": schedule, "transfer": transfer,
-                     "numel": cols, "sbp_torch_s": ours, "torch_pipelining_s": theirs,
-                     "ideal_s": ideal_step(schedule, world, m, 0.0)})
+        rows.append(
+            {
+                "kind": "side by side",
+                "p": world,
+                "m": m,
+                "schedule": schedule,
+                "transfer": payload,
+                "numel": cols,
+                "sbp_torch_s": ours,
+                "torch_pipelining_s": theirs,
+                "ideal_s": ideal_step(schedule, world, m, 0.0),
+            }
+        )
     return rows
 
 
 def _overlap_rows(world: int, m: int, schedule: str, numel: int, transfer_s: float, repeats: int) -> list[dict]:
     """Step times with fast transfers, with link-time transfers and with loopback payloads."""
     pipe = _pipeline(world, m, schedule)
-    cases = {"fast": (4, contextlib.nullcontext), "link time": (4, lambda: _link_time(OVERLAP_SHARE * FORWARD_S)),
-             "loopback payload": (numel, contextlib.nullcontext)}
+    cases = {
+        "fast": (4, contextlib.nullcontext),
+        "link time": (4, lambda: _link_time(OVERLAP_SHARE * FORWARD_S)),
+        "loopback payload": (numel, contextlib.nullcontext),
+    }
     times = {}
     for name, (cols, context) in cases.items():
         batch = torch.ones(m, cols)
@@ -221,21 +234,38 @@ def _overlap_rows(world: int, m: int, schedule: str, numel: int, transfer_s: flo
             pipe.step(batch, batch)
             times[name] = statistics.median(_step_time(pipe, batch)[0] for _ in range(repeats))
     shares = {"link time": OVERLAP_SHARE, "loopback payload": transfer_s / FORWARD_S}
-    return [{"kind": "overlap", "p": world, "m": m, "schedule": schedule, "transfer": name, "numel": numel,
-             "share": shares[name], "forward_s": FORWARD_S, "fast_s": times["fast"], "slow_s": times[name],
-             "increase": times[name] / times["fast"] - 1} for name in shares]
+    return [
+        {
+            "kind": "overlap",
+            "p": world,
+            "m": m,
+            "schedule": schedule,
+            "transfer": name,
+            "numel": numel,
+            "share": shares[name],
+            "forward_s": FORWARD_S,
+            "fast_s": times["fast"],
+            "slow_s": times[name],
+            "increase": times[name] / times["fast"] - 1,
+        }
+        for name in shares
+    ]
 
 
 def stage_order(schedule: str, p: int, s: int, m: int) -> list[tuple[str, int]]:
     """The order stage ``s`` runs its forwards and backwards in, as the quota rule makes it: ``q`` forwards,
     then one backward and one forward while forwards are left, then the remaining backwards."""
     q = SCHEDULES[schedule](p, s, m)
-    return ([("F", i) for i in range(q)] + [x for i in range(m - q) for x in (("B", i), ("F", q + i))]
-            + [("B", i) for i in range(m - q, m)])
+    return (
+        [("F", i) for i in range(q)]
+        + [x for i in range(m - q) for x in (("B", i), ("F", q + i))]
+        + [("B", i) for i in range(m - q, m)]
+    )
 
 
-def ideal_step(schedule: str, p: int, m: int, transfer_s: float, forward_s: float = FORWARD_S,
-               backward_s: float = BACKWARD_S) -> float:
+def ideal_step(
+    schedule: str, p: int, m: int, transfer_s: float, forward_s: float = FORWARD_S, backward_s: float = BACKWARD_S
+) -> float:
     """The step time of ``schedule`` with no overhead at all: each stage runs its order (``stage_order``) as
     soon as its inputs are there, and every hand-over between stages takes ``transfer_s``."""
     end: dict = {}
@@ -245,7 +275,9 @@ def ideal_step(schedule: str, p: int, m: int, transfer_s: float, forward_s: floa
         for s in range(p):
             while done[s] < len(orders[s]):
                 kind, i = orders[s][done[s]]
-                dep = (s - 1, "F", i) if kind == "F" and s > 0 else (s + 1, "B", i) if kind == "B" and s < p - 1 else None
+                dep = (
+                    (s - 1, "F", i) if kind == "F" and s > 0 else (s + 1, "B", i) if kind == "B" and s < p - 1 else None
+                )
                 if dep is not None and dep not in end:
                     break
                 start = max(free[s], end[dep] + transfer_s if dep is not None else 0.0)
@@ -270,14 +302,24 @@ def measure(world: int, quick: bool) -> list[dict]:
                 dist.all_gather_object(gathered, pipe.peak_activations)
                 for stage, peak in (item for per_rank in gathered for item in per_rank.items()):
                     peaks[stage] = max(peak, peaks.get(stage, 0))
-            rows.append({"kind": "bubble", "p": world, "m": m, "schedule": name,
-                         "bubble": statistics.median(bubbles), "theory": (world - 1) / (virtual * m + world - 1),
-                         "peak_activations": [peaks[s] for s in sorted(peaks)]})
+            rows.append(
+                {
+                    "kind": "bubble",
+                    "p": world,
+                    "m": m,
+                    "schedule": name,
+                    "bubble": statistics.median(bubbles),
+                    "theory": (world - 1) / (virtual * m + world - 1),
+                    "peak_activations": [peaks[s] for s in sorted(peaks)],
+                }
+            )
             if m == 8 and dist.get_rank() == 0 and schedule == "1f1b":
                 suffix = "" if virtual == 1 else f"_interleaved{virtual}"
-                timeline.write_png(f"docs/benchmarks/pipeline_timeline_p{world}{suffix}.png",
-                                   f"{name}, p={world}, m={m}: forward {FORWARD_S * 1e3:g} ms, "
-                                   f"backward {BACKWARD_S * 1e3:g} ms per micro-batch and rank")
+                timeline.write_png(
+                    f"docs/benchmarks/pipeline_timeline_p{world}{suffix}.png",
+                    f"{name}, p={world}, m={m}: forward {FORWARD_S * 1e3:g} ms, "
+                    f"backward {BACKWARD_S * 1e3:g} ms per micro-batch and rank",
+                )
     numel = _calibrate(OVERLAP_SHARE * FORWARD_S)
     transfer_s = _transfer_seconds(numel)
     for schedule in ["gpipe", "1f1b"]:
@@ -287,56 +329,115 @@ def measure(world: int, quick: bool) -> list[dict]:
     return rows
 
 
+def _ideal_increase(r: dict) -> float:
+    """How much the schedule itself, run with no overhead, slows down with the row's transfers."""
+    with_transfers = ideal_step(r["schedule"], r["p"], r["m"], r["share"] * FORWARD_S)
+    return with_transfers / ideal_step(r["schedule"], r["p"], r["m"], 0) - 1
+
+
 def report(rows: list[dict]) -> str:
     bubbles = [r for r in rows if r["kind"] == "bubble"]
     table = markdown_table(
         ["p", "m", "schedule", "bubble (measured)", "theory", "difference", "peak activations per stage"],
-        [[r["p"], r["m"], r["schedule"], f"{r['bubble']:.3f}", f"{r['theory']:.3f}",
-          f"{r['bubble'] - r['theory']:+.3f}", ", ".join(map(str, r["peak_activations"]))] for r in bubbles])
+        [
+            [
+                r["p"],
+                r["m"],
+                r["schedule"],
+                f"{r['bubble']:.3f}",
+                f"{r['theory']:.3f}",
+                f"{r['bubble'] - r['theory']:+.3f}",
+                ", ".join(map(str, r["peak_activations"])),
+            ]
+            for r in bubbles
+        ],
+    )
     overlap = markdown_table(
-        ["p", "m", "schedule", "transfer", "transfer / forward", "step, fast transfers", "step, slow transfers",
-         "increase", "ideal schedule"],
-        [[r["p"], r["m"], r["schedule"], r["transfer"], f"{r['share']:.2f}", f"{r['fast_s'] * 1e3:.1f} ms",
-          f"{r['slow_s'] * 1e3:.1f} ms", f"{r['increase'] * 100:+.1f}%",
-          f"{ideal_step(r['schedule'], r['p'], r['m'], r['share'] * FORWARD_S) / ideal_step(r['schedule'], r['p'], r['m'], 0) * 100 - 100:+.1f}%"]
-         for r in rows if r["kind"] == "overlap"])
+        [
+            "p",
+            "m",
+            "schedule",
+            "transfer",
+            "transfer / forward",
+            "step, fast transfers",
+            "step, slow transfers",
+            "increase",
+            "ideal schedule",
+        ],
+        [
+            [
+                r["p"],
+                r["m"],
+                r["schedule"],
+                r["transfer"],
+                f"{r['share']:.2f}",
+                f"{r['fast_s'] * 1e3:.1f} ms",
+                f"{r['slow_s'] * 1e3:.1f} ms",
+                f"{r['increase'] * 100:+.1f}%",
+                f"{_ideal_increase(r) * 100:+.1f}%",
+            ]
+            for r in rows
+            if r["kind"] == "overlap"
+        ],
+    )
     side = markdown_table(
-        ["p", "m", "schedule", "activations", "sbp_torch", "torch.distributed.pipelining", "sbp_torch / torch",
-         "ideal schedule"],
-        [[r["p"], r["m"], r["schedule"], r["transfer"], f"{r['sbp_torch_s'] * 1e3:.1f} ms",
-          f"{r['torch_pipelining_s'] * 1e3:.1f} ms", f"{r['sbp_torch_s'] / r['torch_pipelining_s']:.3f}",
-          f"{r['ideal_s'] * 1e3:.0f} ms"]
-         for r in rows if r["kind"] == "side by side"])
+        [
+            "p",
+            "m",
+            "schedule",
+            "activations",
+            "sbp_torch",
+            "torch.distributed.pipelining",
+            "sbp_torch / torch",
+            "ideal schedule",
+        ],
+        [
+            [
+                r["p"],
+                r["m"],
+                r["schedule"],
+                r["transfer"],
+                f"{r['sbp_torch_s'] * 1e3:.1f} ms",
+                f"{r['torch_pipelining_s'] * 1e3:.1f} ms",
+                f"{r['sbp_torch_s'] / r['torch_pipelining_s']:.3f}",
+                f"{r['ideal_s'] * 1e3:.0f} ms",
+            ]
+            for r in rows
+            if r["kind"] == "side by side"
+        ],
+    )
     worst = max(abs(r["bubble"] - r["theory"]) for r in bubbles if SCHEDULE_ROWS[r["schedule"]][1] == 1)
     interleaved = [r for r in bubbles if SCHEDULE_ROWS[r["schedule"]][1] > 1]
     plain = {(r["p"], r["m"]): r["bubble"] for r in bubbles if r["schedule"] == "1f1b"}
     before = ", ".join(f"{plain[r['p'], r['m']]:.3f}" for r in interleaved)
     after = ", ".join(f"{r['bubble']:.3f}" for r in interleaved)
-    return (f"Each rank's stages sleep {FORWARD_S * 1e3:g} ms forward and {BACKWARD_S * 1e3:g} ms backward per "
-            f"micro-batch in all. Theory: `(p-1)/(m+p-1)`; with `v` interleaved virtual stages per rank (stage `g` "
-            f"on rank `g mod p`, each taking `1/v` of the time), `(p-1)/(v m+p-1)`. Largest distance from theory "
-            f"for GPipe and 1F1B: {worst:.3f} (target 0.05). Interleaving two stages per rank took 1F1B's bubble "
-            f"from {before} to {after} (the rows in order); it stays further from "
-            f"its theory because every micro-batch crosses twice as many hand-overs, each 1 to 2 ms "
-            f"here.\n\n{table}\n\n"
-            f"Transfer overlap (target: < 10% longer steps when each transfer takes 0.3 of a forward): the step "
-            f"with every activation and gradient taking the share of a forward in the fifth column, against the "
-            f"same step with tiny tensors. *link time* transfers wait that long on their lane and take no CPU "
-            f"(a copy engine); *loopback payloads* are tensors whose gloo send takes that long, CPU copies on "
-            f"the 2 cores the ranks share. The last column is the increase of the same schedule run with no "
-            f"overhead at all (`ideal_step`: each stage runs its quota order as soon as its inputs are there): "
-            f"what any scheduler keeping that order would show. 1F1B cannot meet the target: with at most `p` "
-            f"micro-batches in flight on stage 0, each round trip to the last stage waits for `2 (p - 1)` "
-            f"transfers, so every micro-batch costs stage 0 at least `2 (p - 1) t / p` more.\n\n{overlap}\n\n"
-            f"Side by side with PyTorch's own pipeline API, `torch.distributed.pipelining` (the same stages, one "
-            f"per rank, its `ScheduleGPipe` and `Schedule1F1B`): the wall time of a training step, from a barrier "
-            f"to the slowest rank's return, with tiny activations and with the loopback payloads above (the "
-            f"medians of the runs).\n\n{side}\n\n"
-            "1F1B timelines (m = 8), drawn by `Pipeline.timeline().write_png`:\n\n"
-            "![p=2](pipeline_timeline_p2.png)\n\n![p=4](pipeline_timeline_p4.png)\n\n"
-            "Two interleaved stages per rank (1F1B quotas over all the stages):\n\n"
-            "![p=2, interleaved](pipeline_timeline_p2_interleaved2.png)\n\n"
-            "![p=4, interleaved](pipeline_timeline_p4_interleaved2.png)\n")
+    return (
+        f"Each rank's stages sleep {FORWARD_S * 1e3:g} ms forward and {BACKWARD_S * 1e3:g} ms backward per "
+        f"micro-batch in all. Theory: `(p-1)/(m+p-1)`; with `v` interleaved virtual stages per rank (stage `g` "
+        f"on rank `g mod p`, each taking `1/v` of the time), `(p-1)/(v m+p-1)`. Largest distance from theory "
+        f"for GPipe and 1F1B: {worst:.3f} (target 0.05). Interleaving two stages per rank took 1F1B's bubble "
+        f"from {before} to {after} (the rows in order); it stays further from "
+        f"its theory because every micro-batch crosses twice as many hand-overs, each 1 to 2 ms "
+        f"here.\n\n{table}\n\n"
+        f"Transfer overlap (target: < 10% longer steps when each transfer takes 0.3 of a forward): the step "
+        f"with every activation and gradient taking the share of a forward in the fifth column, against the "
+        f"same step with tiny tensors. *link time* transfers wait that long on their lane and take no CPU "
+        f"(a copy engine); *loopback payloads* are tensors whose gloo send takes that long, CPU copies on "
+        f"the 2 cores the ranks share. The last column is the increase of the same schedule run with no "
+        f"overhead at all (`ideal_step`: each stage runs its quota order as soon as its inputs are there): "
+        f"what any scheduler keeping that order would show. 1F1B cannot meet the target: with at most `p` "
+        f"micro-batches in flight on stage 0, each round trip to the last stage waits for `2 (p - 1)` "
+        f"transfers, so every micro-batch costs stage 0 at least `2 (p - 1) t / p` more.\n\n{overlap}\n\n"
+        f"Side by side with PyTorch's own pipeline API, `torch.distributed.pipelining` (the same stages, one "
+        f"per rank, its `ScheduleGPipe` and `Schedule1F1B`): the wall time of a training step, from a barrier "
+        f"to the slowest rank's return, with tiny activations and with the loopback payloads above (the "
+        f"medians of the runs).\n\n{side}\n\n"
+        "1F1B timelines (m = 8), drawn by `Pipeline.timeline().write_png`:\n\n"
+        "![p=2](pipeline_timeline_p2.png)\n\n![p=4](pipeline_timeline_p4.png)\n\n"
+        "Two interleaved stages per rank (1F1B quotas over all the stages):\n\n"
+        "![p=2, interleaved](pipeline_timeline_p2_interleaved2.png)\n\n"
+        "![p=4, interleaved](pipeline_timeline_p4_interleaved2.png)\n"
+    )
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -350,11 +451,16 @@ def plot(rows: list[dict], path: str) -> None:
     for p, color in [(2, "#4c72b0"), (4, "#dd8452")]:
         for schedule, marker in zip(SCHEDULE_ROWS, ["o", "x", "^"]):
             pts = [r for r in rows if r["kind"] == "bubble" and r["p"] == p and r["schedule"] == schedule]
-            ax.plot([r["m"] for r in pts], [r["bubble"] for r in pts], marker, color=color,
-                    label=f"p={p} {schedule}")
+            ax.plot([r["m"] for r in pts], [r["bubble"] for r in pts], marker, color=color, label=f"p={p} {schedule}")
         for v, style in [(1, "-"), (2, ":")]:
-            ax.plot(ms, [(p - 1) / (v * m + p - 1) for m in ms], style, color=color, alpha=0.5,
-                    label=f"p={p} theory" + (f", v={v}" if v > 1 else ""))
+            ax.plot(
+                ms,
+                [(p - 1) / (v * m + p - 1) for m in ms],
+                style,
+                color=color,
+                alpha=0.5,
+                label=f"p={p} theory" + (f", v={v}" if v > 1 else ""),
+            )
     ax.set_xscale("log", base=2)
     ax.set_xlabel("micro-batches m")
     ax.set_ylabel("bubble fraction")

@@ -28,7 +28,6 @@ from torch import nn
 import sbp_torch as st
 from benchmarks.harness import markdown_table
 from benchmarks.suites.pipeline import ideal_step, wall_samples
-from sbp_torch import _cuda_streams
 from sbp_torch.pipeline import Pipeline
 
 TITLE = "Pipelines on CUDA: stage transfers beside compute"
@@ -137,14 +136,12 @@ def measure(world: int, quick: bool) -> list[dict]:
     numel = _calibrate_payload(OVERLAP_SHARE * FORWARD_S)
     transfer_s = _transfer_seconds(numel)
     repeats = 3 if quick else 7
-    scheduler = _cuda_streams.scheduler_class().__module__
     rows = []
     for schedule in ["gpipe", "1f1b"]:
         for m in [8] if quick else [8, 16]:
             times = {}
             for name, width in [("tiny", 4), ("payload", numel)]:
-                stages = [SpinStage(width if r == 0 else 0).to_global(st.placement("cuda", [r]))
-                          for r in range(world)]
+                stages = [SpinStage(width if r == 0 else 0).to_global(st.placement("cuda", [r])) for r in range(world)]
                 pipe = Pipeline(stages, _loss, m, schedule)
                 batch = torch.ones(m, 1)
                 pipe.step(batch, batch)  # warm-up
@@ -156,12 +153,23 @@ def measure(world: int, quick: bool) -> list[dict]:
 
                 samples = wall_samples(step, repeats)
                 times[name] = (statistics.median(samples), min(samples), max(samples))
-            rows.append({"p": world, "m": m, "schedule": schedule, "numel": numel, "transfer_s": transfer_s,
-                         "share": transfer_s / FORWARD_S, "tiny": times["tiny"], "payload": times["payload"],
-                         "ideal_tiny": ideal_step(schedule, world, m, 0.0, FORWARD_S, BACKWARD_S),
-                         "ideal_payload": ideal_step(schedule, world, m, transfer_s, FORWARD_S, BACKWARD_S),
-                         "device": torch.cuda.get_device_name(), "mps": _mps_running(),
-                         "scheduler": scheduler, "forward_s": FORWARD_S})
+            rows.append(
+                {
+                    "p": world,
+                    "m": m,
+                    "schedule": schedule,
+                    "numel": numel,
+                    "transfer_s": transfer_s,
+                    "share": transfer_s / FORWARD_S,
+                    "tiny": times["tiny"],
+                    "payload": times["payload"],
+                    "ideal_tiny": ideal_step(schedule, world, m, 0.0, FORWARD_S, BACKWARD_S),
+                    "ideal_payload": ideal_step(schedule, world, m, transfer_s, FORWARD_S, BACKWARD_S),
+                    "device": torch.cuda.get_device_name(),
+                    "mps": _mps_running(),
+                    "forward_s": FORWARD_S,
+                }
+            )
     return rows
 
 
@@ -172,20 +180,40 @@ def report(rows: list[dict]) -> str:
         run = [r for r in rows if r["mps"] == mps]
         first = run[0]
         table = markdown_table(
-            ["p", "m", "schedule", "transfer / forward", "step, tiny activations", "step, payload", "increase",
-             "ideal schedule: step, increase"],
-            [[r["p"], r["m"], r["schedule"], f"{r['share']:.2f}",
-              f"{r['tiny'][0] * 1e3:.1f} ms ({r['tiny'][1] * 1e3:.1f}-{r['tiny'][2] * 1e3:.1f})",
-              f"{r['payload'][0] * 1e3:.1f} ms ({r['payload'][1] * 1e3:.1f}-{r['payload'][2] * 1e3:.1f})",
-              f"{(r['payload'][0] / r['tiny'][0] - 1) * 100:+.1f}%",
-              f"{r['ideal_tiny'] * 1e3:.0f} ms, {(r['ideal_payload'] / r['ideal_tiny'] - 1) * 100:+.1f}%"]
-             for r in run])
-        sharing = "the two ranks run their kernels side by side, as on two GPUs" if mps else \
-            "the two ranks time-slice the GPU"
+            [
+                "p",
+                "m",
+                "schedule",
+                "transfer / forward",
+                "step, tiny activations",
+                "step, payload",
+                "increase",
+                "ideal schedule: step, increase",
+            ],
+            [
+                [
+                    r["p"],
+                    r["m"],
+                    r["schedule"],
+                    f"{r['share']:.2f}",
+                    f"{r['tiny'][0] * 1e3:.1f} ms ({r['tiny'][1] * 1e3:.1f}-{r['tiny'][2] * 1e3:.1f})",
+                    f"{r['payload'][0] * 1e3:.1f} ms ({r['payload'][1] * 1e3:.1f}-{r['payload'][2] * 1e3:.1f})",
+                    f"{(r['payload'][0] / r['tiny'][0] - 1) * 100:+.1f}%",
+                    f"{r['ideal_tiny'] * 1e3:.0f} ms, {(r['ideal_payload'] / r['ideal_tiny'] - 1) * 100:+.1f}%",
+                ]
+                for r in run
+            ],
+        )
+        sharing = (
+            "the two ranks run their kernels side by side, as on two GPUs"
+            if mps
+            else "the two ranks time-slice the GPU"
+        )
         parts.append(
             f"**CUDA MPS {'on' if mps else 'off'}** ({sharing}). "
-            f"Device: {first['device']}; stream scheduler: `{first['scheduler']}`. Each stage spins "
+            f"Device: {first['device']}. Each stage spins "
             f"{first['forward_s'] * 1e3:g} ms forward and as long backward per micro-batch; a payload activation "
             f"is {first['numel']} float32 ({first['numel'] * 4 / 2**20:.1f} MiB), whose staged transfer alone "
-            f"takes {first['transfer_s'] * 1e3:.2f} ms. Step times: median (min-max) of the runs.\n\n{table}\n")
+            f"takes {first['transfer_s'] * 1e3:.2f} ms. Step times: median (min-max) of the runs.\n\n{table}\n"
+        )
     return "\n".join(parts)

@@ -105,8 +105,11 @@ def _collectives_per_step(step, batch) -> dict[str, int]:
     libraries' collectives go through). Where the time of a latency-bound step goes."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         step(*batch)
-    kinds = collections.Counter(e.name[len("c10d::"):].strip("_").replace("_base", "").replace("_", "-")
-                                for e in prof.events() if e.name.startswith("c10d::"))
+    kinds = collections.Counter(
+        e.name[len("c10d::") :].strip("_").replace("_base", "").replace("_", "-")
+        for e in prof.events()
+        if e.name.startswith("c10d::")
+    )
     return dict(kinds.most_common())
 
 
@@ -122,8 +125,9 @@ def _sbp_torch_step(gpt, model, mode: str):
     return lambda idx, targets: gpt.train_step(model, optimizer, idx, targets, layout)
 
 
-def _bucketed_all_reduce(params, extra: torch.Tensor | None, group, scale: float,
-                         completes_partial: bool) -> torch.Tensor | None:
+def _bucketed_all_reduce(
+    params, extra: torch.Tensor | None, group, scale: float, completes_partial: bool
+) -> torch.Tensor | None:
     """All-reduce the gradients' local parts (and ``extra``) in one flat buffer, times ``scale``.
 
     ``completes_partial``: the group is the whole mesh, so ``Partial`` gradients become ``Replicate``.
@@ -139,8 +143,9 @@ def _bucketed_all_reduce(params, extra: torch.Tensor | None, group, scale: float
         part = part.view(local.shape)
         if isinstance(g, DTensor):  # same layout, reduced values
             placements = [Replicate() if completes_partial and pl.is_partial() else pl for pl in g.placements]
-            p.grad = DTensor.from_local(part, g.device_mesh, placements, run_check=False,
-                                        shape=g.shape, stride=g.stride())
+            p.grad = DTensor.from_local(
+                part, g.device_mesh, placements, run_check=False, shape=g.shape, stride=g.stride()
+            )
         else:
             p.grad = part
     return parts[-1] if extra is not None else None
@@ -210,8 +215,7 @@ def _dtensor_dp_tp_step(gpt, model):
             loss = model(idx, targets)
             optimizer.zero_grad()
             loss.backward()
-        mean = _bucketed_all_reduce(params, loss.to_local().detach(), dp_group, 1.0 / dp_size,
-                                    completes_partial=False)
+        mean = _bucketed_all_reduce(params, loss.to_local().detach(), dp_group, 1.0 / dp_size, completes_partial=False)
         optimizer.step()
         return mean.item()
 
@@ -237,23 +241,47 @@ def measure(world: int, quick: bool) -> list[dict]:
     if world == 1:
         torch.set_num_threads(1)  # see the module docstring
         stats, losses = _timed_training({"plain": plain_step()}, batches, warmup, repeats)["plain"]
-        return [{"world": 1, "library": "plain", "mode": "one process", "step": stats, "losses": losses,
-                 "threads": torch.get_num_threads(), "code": code, "load": os.getloadavg()[0]}]
+        return [
+            {
+                "world": 1,
+                "library": "plain",
+                "mode": "one process",
+                "step": stats,
+                "losses": losses,
+                "threads": torch.get_num_threads(),
+                "code": code,
+                "load": os.getloadavg()[0],
+            }
+        ]
     step = plain_step()
     want = [step(*batch) for batch in batches]
     rows = []
     for mode in MODES:
-        steps = {"sbp_torch": _sbp_torch_step(gpt, copy.deepcopy(initial), mode),
-                 "dtensor": DTENSOR_STEPS[mode](gpt, copy.deepcopy(initial))}
+        steps = {
+            "sbp_torch": _sbp_torch_step(gpt, copy.deepcopy(initial), mode),
+            "dtensor": DTENSOR_STEPS[mode](gpt, copy.deepcopy(initial)),
+        }
         for library, (stats, losses) in _timed_training(steps, batches, warmup, repeats).items():
-            rows.append({"world": world, "library": library, "mode": mode, "step": stats, "losses": losses,
-                         "max_rel_diff": _relative_difference(losses, want), "threads": torch.get_num_threads(),
-                         "collectives": _collectives_per_step(steps[library], last), "code": code,
-                         "load": os.getloadavg()[0]})
+            rows.append(
+                {
+                    "world": world,
+                    "library": library,
+                    "mode": mode,
+                    "step": stats,
+                    "losses": losses,
+                    "max_rel_diff": _relative_difference(losses, want),
+                    "threads": torch.get_num_threads(),
+                    "collectives": _collectives_per_step(steps[library], last),
+                    "code": code,
+                    "load": os.getloadavg()[0],
+                }
+            )
             if dist.get_rank() == 0:
-                print(f"  {mode:6} {library:9} {1e6 / stats['median_us']:7.2f} steps/s, losses differ from one "
-                      f"process by {rows[-1]['max_rel_diff']:.1e}; collectives {rows[-1]['collectives']}",
-                      flush=True)
+                print(
+                    f"  {mode:6} {library:9} {1e6 / stats['median_us']:7.2f} steps/s, losses differ from one "
+                    f"process by {rows[-1]['max_rel_diff']:.1e}; collectives {rows[-1]['collectives']}",
+                    flush=True,
+                )
     return rows
 
 
@@ -280,25 +308,42 @@ def _fmt_collectives(kinds: dict[str, int]) -> str:
 def report(rows: list[dict]) -> str:
     by = {(r["library"], r["mode"]): r for r in rows}
     plain = by.get(("plain", "one process"))
-    header = ["mode", "sbp_torch steps/s", "DTensor steps/s", "sbp_torch / DTensor", "collectives per step "
-              "sbp_torch, DTensor", "loss rel. diff sbp_torch, DTensor"]
+    header = [
+        "mode",
+        "sbp_torch steps/s",
+        "DTensor steps/s",
+        "sbp_torch / DTensor",
+        "collectives per step sbp_torch, DTensor",
+        "loss rel. diff sbp_torch, DTensor",
+    ]
     table, calls, verdict = [], [], ""
     for mode in MODES:
         sbp, dt = by.get(("sbp_torch", mode)), by.get(("dtensor", mode))
         if not sbp or not dt:
             continue
         speedup = dt["step"]["median_us"] / sbp["step"]["median_us"]
-        table.append([MODE_NAMES[mode], _fmt_rate(sbp["step"]), _fmt_rate(dt["step"]), f"{speedup:.2f}x",
-                      f"{sum(sbp['collectives'].values())}, {sum(dt['collectives'].values())}",
-                      f"{sbp['max_rel_diff']:.1e}, {dt['max_rel_diff']:.1e}"])
-        calls += [[MODE_NAMES[mode], name, _fmt_collectives(r["collectives"])]
-                  for name, r in (("sbp_torch", sbp), ("DTensor", dt))]
+        table.append(
+            [
+                MODE_NAMES[mode],
+                _fmt_rate(sbp["step"]),
+                _fmt_rate(dt["step"]),
+                f"{speedup:.2f}x",
+                f"{sum(sbp['collectives'].values())}, {sum(dt['collectives'].values())}",
+                f"{sbp['max_rel_diff']:.1e}, {dt['max_rel_diff']:.1e}",
+            ]
+        )
+        calls += [
+            [MODE_NAMES[mode], name, _fmt_collectives(r["collectives"])]
+            for name, r in (("sbp_torch", sbp), ("DTensor", dt))
+        ]
         if mode == "dp_tp":
             equal = max(sbp["max_rel_diff"], dt["max_rel_diff"]) < LOSS_TOLERANCE
             met = speedup >= TARGET and equal
-            verdict = (f"**Target** (DP x TP: sbp_torch ≥ {TARGET}x DTensor's steps/s, equal losses): "
-                       f"{speedup:.2f}x, losses {'equal' if equal else 'DIFFERENT'} (within "
-                       f"{LOSS_TOLERANCE:.0e}): {'met' if met else 'missed'}.")
+            verdict = (
+                f"**Target** (DP x TP: sbp_torch ≥ {TARGET}x DTensor's steps/s, equal losses): "
+                f"{speedup:.2f}x, losses {'equal' if equal else 'DIFFERENT'} (within "
+                f"{LOSS_TOLERANCE:.0e}): {'met' if met else 'missed'}."
+            )
     lines = [
         "Steps per second of one training step of `examples/gpt.py` (forward, backward, AdamW), median "
         "(quartiles) over the timed steps, each the slowest rank's. Written by `benchmarks/suites/train.py`; "
@@ -310,14 +355,19 @@ def report(rows: list[dict]) -> str:
     four = [r for r in rows if r["world"] == 4]
     if plain:
         steps = len(plain["losses"])
-        lines += [f"One process (plain PyTorch, {_threads(plain['threads'])}): {_fmt_rate(plain['step'])} steps/s, "
-                  f"{harness.fmt(plain['step'], 'ms')} per step; its {steps} losses go from "
-                  f"{plain['losses'][0]:.4f} to {plain['losses'][-1]:.4f}.", ""]
+        lines += [
+            f"One process (plain PyTorch, {_threads(plain['threads'])}): {_fmt_rate(plain['step'])} steps/s, "
+            f"{harness.fmt(plain['step'], 'ms')} per step; its {steps} losses go from "
+            f"{plain['losses'][0]:.4f} to {plain['losses'][-1]:.4f}.",
+            "",
+        ]
     if four:
         steps = len(four[0]["losses"])
-        text = (f"Loss differences: largest relative difference from single-process training (recomputed in "
-                f"each rank of the 4-rank launch) over all {steps} steps, warm-up included; tolerance "
-                f"{LOSS_TOLERANCE:.0e}.")
+        text = (
+            f"Loss differences: largest relative difference from single-process training (recomputed in "
+            f"each rank of the 4-rank launch) over all {steps} steps, warm-up included; tolerance "
+            f"{LOSS_TOLERANCE:.0e}."
+        )
         if plain:  # the one-process launch trained the same way, on its own thread count
             worst = max(_relative_difference(r["losses"], plain["losses"]) for r in four)
             text += f" Against the one-process launch's own losses the largest is {worst:.1e}."
@@ -325,11 +375,17 @@ def report(rows: list[dict]) -> str:
     if verdict:
         lines += [verdict, ""]
     if calls:
-        lines += ["Process-group calls in one step (rank 0, counted by torch.profiler):", "",
-                  harness.markdown_table(["mode", "library", "calls"], calls), ""]
+        lines += [
+            "Process-group calls in one step (rank 0, counted by torch.profiler):",
+            "",
+            harness.markdown_table(["mode", "library", "calls"], calls),
+            "",
+        ]
     threads = statistics.mode(r["threads"] for r in four) if four else "?"
-    lines += [f"The 4 ranks use {_threads(threads)} each. Code measured: {rows[0]['code'] if rows else '?'}. "
-              f"{load_note(rows)}"]
+    lines += [
+        f"The 4 ranks use {_threads(threads)} each. Code measured: {rows[0]['code'] if rows else '?'}. "
+        f"{load_note(rows)}"
+    ]
     return "\n".join(lines)
 
 
@@ -345,13 +401,23 @@ def plot(rows: list[dict], path: str) -> None:
     for i, (library, label) in enumerate((("sbp_torch", "sbp_torch"), ("dtensor", "DTensor"))):
         rates = [_steps_per_second(by[(library, m)]["step"]) for m in modes]
         xs = [j + (i - 0.5) * 0.38 for j in range(len(modes))]
-        bars = ax.bar(xs, [r[0] for r in rates], 0.38, label=label,
-                      yerr=[[r[0] - r[1] for r in rates], [r[2] - r[0] for r in rates]], capsize=3)
+        bars = ax.bar(
+            xs,
+            [r[0] for r in rates],
+            0.38,
+            label=label,
+            yerr=[[r[0] - r[1] for r in rates], [r[2] - r[0] for r in rates]],
+            capsize=3,
+        )
         ax.bar_label(bars, [f"{r[0]:.1f}" for r in rates], padding=2, fontsize=8)
     plain = by.get(("plain", "one process"))
     if plain:
-        ax.axhline(_steps_per_second(plain["step"])[0], color="gray", linestyle="--",
-                   label=f"one process ({_steps_per_second(plain['step'])[0]:.0f})")
+        ax.axhline(
+            _steps_per_second(plain["step"])[0],
+            color="gray",
+            linestyle="--",
+            label=f"one process ({_steps_per_second(plain['step'])[0]:.0f})",
+        )
     ax.set_xticks(range(len(modes)), [MODE_NAMES[m] for m in modes])
     ax.set_yscale("log")  # one process is far above the 4 ranks that share its cores
     ax.set_ylim(top=ax.get_ylim()[1] * 10)  # room for the legend above everything

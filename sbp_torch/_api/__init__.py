@@ -5,20 +5,3 @@ from ._caches import Caches, cache_clear, cache_info, set_cache_size
 from ._factories import arange, empty, full, ones, rand, randn, tensor, zeros
 from ._module import module_to_global
 from ._to_global import to_global
-
-__all__ = [
-    "Caches",
-    "arange",
-    "cache_clear",
-    "cache_info",
-    "empty",
-    "full",
-    "module_to_global",
-    "ones",
-    "rand",
-    "randn",
-    "set_cache_size",
-    "tensor",
-    "to_global",
-    "zeros",
-]

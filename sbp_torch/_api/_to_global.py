@@ -80,7 +80,9 @@ def _assemble(local: torch.Tensor, meta: GlobalMeta, shapes: dict, take_first: b
         line = lambda c: [c[:axis] + (i,) + c[axis + 1 :] for i in range(p.shape[axis])]  # noqa: E731
         sizes = [extents[c][s.dim] for c in line(coord)]
         local = comm.all_gather(local, s.dim, sizes, comm.axis_group(p, axis))
-        extents = {c: e[: s.dim] + [sum(extents[k][s.dim] for k in line(c))] + e[s.dim + 1 :] for c, e in extents.items()}
+        extents = {
+            c: e[: s.dim] + [sum(extents[k][s.dim] for k in line(c))] + e[s.dim + 1 :] for c, e in extents.items()
+        }
         gathered[axis] = broadcast
     return box_local(local, meta.with_sbp(tuple(gathered)), meta.sbp)
 
@@ -164,5 +166,3 @@ def to_global(x: torch.Tensor, placement: Placement | None = None, sbp=None, *, 
     if placement is None or sbp is None:
         raise ValueError("to_global on a local tensor needs both placement and sbp")
     return _from_local(x, placement, sbp, True if check_meta is None else check_meta)
-
-

@@ -3,24 +3,6 @@ table runs on which axis, or which pieces go point to point, with its bytes and 
 (``plan_boxing``, ``plan_cross`` between placements) and run by one function (``run_plan``, ``run_cross``)."""
 
 from .cross_placement import CrossPlan, cross_target, plan_cross, run_cross
-from .plan import POINT_TO_POINT, BoxingPlan, BoxingStep, axis_view, plan_boxing
 from .pieces import Piece, box_of, cut, pieces_between
+from .plan import POINT_TO_POINT, BoxingPlan, BoxingStep, axis_view, plan_boxing
 from .run import box_local, run_plan
-
-__all__ = [
-    "POINT_TO_POINT",
-    "BoxingPlan",
-    "BoxingStep",
-    "CrossPlan",
-    "Piece",
-    "axis_view",
-    "box_local",
-    "box_of",
-    "cross_target",
-    "cut",
-    "pieces_between",
-    "plan_boxing",
-    "plan_cross",
-    "run_cross",
-    "run_plan",
-]

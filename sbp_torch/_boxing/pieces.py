@@ -115,8 +115,9 @@ def cut(x: torch.Tensor, origin: tuple[int, ...], piece: Piece) -> torch.Tensor:
     return narrow_to(x, piece.starts, piece.lengths, origin)
 
 
-def send_pieces(local: torch.Tensor, src_origin, pieces: tuple[Piece, ...], out: torch.Tensor, dst_origin,
-             combine=None) -> torch.Tensor:
+def send_pieces(
+    local: torch.Tensor, src_origin, pieces: tuple[Piece, ...], out: torch.Tensor, dst_origin, combine=None
+) -> torch.Tensor:
     """Run ``pieces``: this rank's local copies into ``out`` and its sends from ``local`` (whose box starts at
     ``src_origin``), then its receives into ``out`` (whose box starts at ``dst_origin``). ``combine(old, new)``
     merges an arriving piece with what ``out`` holds (partial terms), else the piece is copied. Returns ``out``."""

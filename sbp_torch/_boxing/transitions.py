@@ -15,8 +15,8 @@ which sends half the bytes of an all-reduce.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

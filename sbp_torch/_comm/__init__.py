@@ -14,19 +14,3 @@ from ._collectives import (
     start_all_reduce,
 )
 from ._groups import AxisGroup, axis_group, ensure_groups, forget_groups
-
-__all__ = [
-    "AxisGroup",
-    "CollectiveError",
-    "agree",
-    "all_gather",
-    "all_reduce",
-    "all_to_all",
-    "axis_group",
-    "broadcast",
-    "ensure_groups",
-    "forget_groups",
-    "reduce_scatter",
-    "send_recv",
-    "start_all_reduce",
-]

@@ -5,20 +5,3 @@ from ._bound import BoundCall, at, by_name, find_tensors, substitute
 from ._cache import CacheInfo, LruCache
 from ._dispatcher import CALLS, MixedTensorError, dispatch, recording
 from ._modes import implicit_broadcast, set_strict, strict
-
-__all__ = [
-    "CALLS",
-    "BoundCall",
-    "CacheInfo",
-    "LruCache",
-    "MixedTensorError",
-    "at",
-    "by_name",
-    "find_tensors",
-    "dispatch",
-    "implicit_broadcast",
-    "recording",
-    "set_strict",
-    "strict",
-    "substitute",
-]

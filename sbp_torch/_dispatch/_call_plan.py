@@ -9,8 +9,8 @@ tensors they wrote. Ranks outside the placement run no op: they return empty par
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -108,7 +108,9 @@ def compile_plan(bound: BoundCall, decision: Decision) -> CallPlan:
 def _run_simple(plan: CallPlan, func, args, kwargs):
     """``_run`` for a simple plan: no boxing, no local function, positional globals, one result."""
     out = func(*[a._local if isinstance(a, GlobalTensor) else a for a in args], **kwargs)
-    return args[0] if plan.returns_written else checked_global(func, out, plan.decision.outputs[0], plan.local_shapes[0])
+    return (
+        args[0] if plan.returns_written else checked_global(func, out, plan.decision.outputs[0], plan.local_shapes[0])
+    )
 
 
 def _context(plan: CallPlan, func, local_args, local_kwargs) -> LocalContext:

@@ -55,7 +55,9 @@ class NoSignature(Exception):
 def _valid_1d(sig: Signature, inputs: list[GlobalTensor], outputs: list[TensorInfo]) -> bool:
     if len(sig.inputs) != len(inputs) or len(sig.outputs) != len(outputs):
         return False
-    for s, t in zip(sig.inputs + sig.outputs, [(g.dim(), g.dtype) for g in inputs] + [(o.ndim, o.dtype) for o in outputs]):
+    for s, t in zip(
+        sig.inputs + sig.outputs, [(g.dim(), g.dtype) for g in inputs] + [(o.ndim, o.dtype) for o in outputs]
+    ):
         ndim, dtype = t
         if isinstance(s, Split) and not 0 <= s.dim < ndim:
             return False
@@ -101,7 +103,9 @@ def _deferred_reduction(outputs: list[TensorInfo], out_sbps: list[tuple], placem
     for info, sbp in zip(outputs, out_sbps):
         if any(isinstance(s, Partial) for s in sbp):
             meta = GlobalMeta(info.shape, info.dtype, placement, sbp)
-            deferred += _decision_cost(plan_boxing(meta, tuple(broadcast if isinstance(s, Partial) else s for s in sbp)))
+            deferred += _decision_cost(
+                plan_boxing(meta, tuple(broadcast if isinstance(s, Partial) else s for s in sbp))
+            )
     return deferred
 
 
@@ -117,12 +121,15 @@ def decide(bound: BoundCall) -> Decision:
         outputs = infer_outputs(bound)
     except UnknownOutputs as why:
         raise NoSignature(str(why)) from why
-    described = {k: TensorInfo(tuple(v.shape), v.dtype) if isinstance(v, GlobalTensor) else v
-                 for k, v in bound.by_name.items()}
+    described = {
+        k: TensorInfo(tuple(v.shape), v.dtype) if isinstance(v, GlobalTensor) else v for k, v in bound.by_name.items()
+    }
     for k, v in described.items():
         if isinstance(v, (list, tuple)) and any(isinstance(x, GlobalTensor) for x in v):
             described[k] = type(v)(TensorInfo(tuple(x.shape), x.dtype) if isinstance(x, GlobalTensor) else x for x in v)
-    call = OpCall(bound.func, [TensorInfo(tuple(g.shape), g.dtype) for g in inputs], outputs, described, placement.shape)
+    call = OpCall(
+        bound.func, [TensorInfo(tuple(g.shape), g.dtype) for g in inputs], outputs, described, placement.shape
+    )
     one_d = [s for s in rule.signatures(call) if _valid_1d(s, inputs, outputs)]
     written = {id(bound.tensors[i]) for i in bound.written}
     written_inputs = [k for k, g in enumerate(inputs) if id(g) in written]
@@ -151,8 +158,9 @@ def decide(bound: BoundCall) -> Decision:
     # there is one, it is the decision, found among the signatures that keep the layouts on every axis (in
     # the same order as the full product), without costing the others (on a new shape, each cost is an N-D
     # boxing search).
-    keeping = [[s for s in one_d if tuple(s.inputs) == tuple(g.sbp[axis] for g in inputs)]
-               for axis in range(placement.ndim)]
+    keeping = [
+        [s for s in one_d if tuple(s.inputs) == tuple(g.sbp[axis] for g in inputs)] for axis in range(placement.ndim)
+    ]
     kept = next(filter(None, map(candidate, itertools.product(*keeping))), None)
     if kept is not None and not _joins_partial(kept[0], inputs):
         candidates = [kept]

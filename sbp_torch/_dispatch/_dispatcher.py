@@ -122,7 +122,9 @@ def _broadcast_plain_tensors(bound: BoundCall) -> tuple:
     def lift(a):
         if not isinstance(a, GlobalTensor) and any(a is p for p in bound.plain):
             if a.requires_grad:
-                raise MixedTensorError(f"{bound.func}: a plain tensor that requires grad cannot be broadcast implicitly")
+                raise MixedTensorError(
+                    f"{bound.func}: a plain tensor that requires grad cannot be broadcast implicitly"
+                )
             meta = GlobalMeta(tuple(a.shape), a.dtype, placement, (broadcast,) * placement.ndim)
             return GlobalTensor(a if member else a.new_empty(0), meta)
         return a

@@ -13,8 +13,8 @@ here, or autograd would not see a saved tensor changed by an optimizer step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

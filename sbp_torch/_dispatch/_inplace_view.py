@@ -4,8 +4,8 @@ restrided to the new logical shape."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -21,7 +21,6 @@ to grow, and combinations the one-element run refuses (the trace then raises the
 from __future__ import annotations
 
 import torch
-
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .._signatures import TensorInfo
@@ -135,8 +134,11 @@ def _sum_dims(a) -> list[TensorInfo] | None:
     dims = _dims(a["dim"], len(shape))
     if dims is None or a.get("dtype") is not None:
         return None
-    kept = [1 if i in dims else n for i, n in enumerate(shape)] if a["keepdim"] else [
-        n for i, n in enumerate(shape) if i not in dims]
+    kept = (
+        [1 if i in dims else n for i, n in enumerate(shape)]
+        if a["keepdim"]
+        else [n for i, n in enumerate(shape) if i not in dims]
+    )
     return [TensorInfo(tuple(kept), x.dtype)]
 
 
@@ -149,7 +151,7 @@ def _cat(a) -> list[TensorInfo] | None:
     if dims is None:
         return None
     (dim,) = dims
-    if any(s[:dim] + s[dim + 1:] != shapes[0][:dim] + shapes[0][dim + 1:] for s in shapes):
+    if any(s[:dim] + s[dim + 1 :] != shapes[0][:dim] + shapes[0][dim + 1 :] for s in shapes):
         return None
     out = list(shapes[0])
     out[dim] = sum(s[dim] for s in shapes)

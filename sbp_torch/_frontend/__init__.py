@@ -2,5 +2,3 @@
 
 from ._local_calls import LOCAL_CALLS
 from ._torch_function import torch_function
-
-__all__ = ["LOCAL_CALLS", "torch_function"]

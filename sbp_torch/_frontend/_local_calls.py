@@ -38,8 +38,8 @@ import os
 from dataclasses import dataclass
 
 import torch
-from torch.utils._pytree import tree_flatten
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from .._dispatch import LruCache, at, find_tensors, recording
 from .._layout import GlobalMeta
@@ -199,9 +199,8 @@ def _learn(func, types, args, kwargs, key):
     recorded = []
     with recording(recorded):
         result = below_autograd(func, types, args, kwargs)
-    if (
-        (not recorded and (_is_getter(func) or not (isinstance(result, torch.Tensor) or _is_tensor_list(result))))
-        or (isinstance(result, GlobalTensor) and result._is_view())
+    if (not recorded and (_is_getter(func) or not (isinstance(result, torch.Tensor) or _is_tensor_list(result)))) or (
+        isinstance(result, GlobalTensor) and result._is_view()
     ):
         DISPATCH_ONLY.add(func)
         LOCAL_CALLS.pop(key)
@@ -280,12 +279,12 @@ def _qualify(func, args, kwargs, tensors, recorded, result, bumped) -> LocalCall
                 if returned.alias_info is not None and not returned.alias_info.is_write:
                     aliases.add(id(g))
     argument_ids = {id(g) for g in tensors}
-    return _result_plan(args, kwargs, local_args, local_kwargs, result, local_result, parts, aliases, argument_ids,
-                        bumped)
+    return _result_plan(
+        args, kwargs, local_args, local_kwargs, result, local_result, parts, aliases, argument_ids, bumped
+    )
 
 
-def _result_plan(args, kwargs, local_args, local_kwargs, result, local_result, parts, aliases, argument_ids,
-                 bumped):
+def _result_plan(args, kwargs, local_args, local_kwargs, result, local_result, parts, aliases, argument_ids, bumped):
     """The LocalCall for the call's result (see ``_qualify``), or None."""
     if result is None:
         return None if local_result is not None else LocalCall("none", None, (), (), bumped)
@@ -305,7 +304,10 @@ def _result_plan(args, kwargs, local_args, local_kwargs, result, local_result, p
         local_result = [local_result]
     for g, local in zip(outputs, local_result):
         if (
-            type(g) is not GlobalTensor or id(g) in aliases or id(g) in argument_ids or g._is_view()
+            type(g) is not GlobalTensor
+            or id(g) in aliases
+            or id(g) in argument_ids
+            or g._is_view()
             or parts.get(id(g)) is not local
         ):
             return None
@@ -339,7 +341,9 @@ def _same_arguments(global_call, local_call, parts) -> bool:
                 return False
         elif isinstance(g, torch.Tensor):
             if not (
-                type(local) is torch.Tensor and g.shape == local.shape and g.dtype == local.dtype
+                type(local) is torch.Tensor
+                and g.shape == local.shape
+                and g.dtype == local.dtype
                 and torch.equal(g, local)
             ):
                 return False

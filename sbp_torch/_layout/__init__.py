@@ -27,26 +27,3 @@ from ._sbp import (
     partial_sum,
     reduction_identity,
 )
-
-__all__ = [
-    "REDUCE_OPS",
-    "Broadcast",
-    "GlobalMeta",
-    "Partial",
-    "Placement",
-    "SbpType",
-    "Split",
-    "balanced_part",
-    "balanced_sizes",
-    "broadcast",
-    "check_partial_dtype",
-    "contiguous_strides",
-    "narrow_to",
-    "normalize_sbp",
-    "partial_max",
-    "partial_min",
-    "partial_sum",
-    "partials_as_broadcast",
-    "random_region",
-    "reduction_identity",
-]

@@ -11,8 +11,9 @@ Integer arithmetic is done in int64 tensors holding values in ``[0, 2**32)``;
 32x32->64-bit products are split into 16-bit pieces so that no intermediate
 ever exceeds 2**49 (signed int64 overflow is never relied upon).
 """
+
 import math
-from typing import Sequence, Tuple
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -25,7 +26,7 @@ _W0, _W1 = 0x9E3779B9, 0xBB67AE85  # Weyl key increments
 _ROUNDS = 10
 
 
-def _mulhilo(m: int, x: Tensor) -> Tuple[Tensor, Tensor]:
+def _mulhilo(m: int, x: Tensor) -> tuple[Tensor, Tensor]:
     """(hi, lo) 32-bit words of the 64-bit product of constant ``m`` and ``x``."""
     p0 = m * (x & 0xFFFF)  # < 2**48
     p1 = m * (x >> 16)  # < 2**48;  m*x == p0 + p1 * 2**16
@@ -115,7 +116,9 @@ def region_flat_indices(
     stride, ndim = 1, len(shape)
     for d in reversed(range(ndim)):
         if starts[d] < 0 or lengths[d] < 0 or starts[d] + lengths[d] > shape[d]:
-            raise ValueError(f"region [{starts[d]}, {starts[d] + lengths[d]}) out of range for dim {d} of size {shape[d]}")
+            raise ValueError(
+                f"region [{starts[d]}, {starts[d] + lengths[d]}) out of range for dim {d} of size {shape[d]}"
+            )
         ar = torch.arange(starts[d], starts[d] + lengths[d], dtype=torch.int64, device=device) * stride
         out = out + ar.view((1,) * d + (-1,) + (1,) * (ndim - d - 1))
         stride *= shape[d]

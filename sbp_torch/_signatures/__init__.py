@@ -19,15 +19,3 @@ from . import (  # noqa: F401  (registration by import)
 )
 from .core import RULES, LocalContext, OpCall, Rule, Signature, TensorInfo, register, rule_for
 from .reductions import norm_statistic
-
-__all__ = [
-    "RULES",
-    "LocalContext",
-    "OpCall",
-    "Rule",
-    "Signature",
-    "TensorInfo",
-    "norm_statistic",
-    "register",
-    "rule_for",
-]

@@ -10,10 +10,10 @@ For ``convolution(input [N, Cin, ...], weight, bias [Cout]?)`` (weight [Cout, Ci
     B → B
 
 The convolution is linear in input and weight, so partial sums stay partial; the bias, which must be added
-once, is added only by the rank at coordinate 0 of the axes that make the output partial (local
-function "bias_once"). A split of a spatial dim needs halos from the neighbours and is left to boxing. Every split must leave each
-rank at least one channel (or sample), checked per N-D signature: torch's convolution mishandles empty
-channel parts, and one rank failing would leave the others waiting in the next collective.
+once, is added only by the rank at coordinate 0 of the axes that make the output partial (local function
+"bias_once"). A split of a spatial dim needs halos from the neighbours and is left to boxing. Every split
+must leave each rank at least one channel (or sample), checked per N-D signature: torch's convolution
+mishandles empty channel parts, and one rank failing would leave the others waiting in the next collective.
 
 ``convolution_backward(grad_output, input, weight)`` → (grad_input, grad_weight, grad_bias), each only where
 ``output_mask`` asks for it:
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from .core import B, P, LocalContext, OpCall, S, Signature, every_split_part_nonempty, register
+from .core import B, LocalContext, OpCall, P, S, Signature, every_split_part_nonempty, register
 
 aten = torch.ops.aten
 

@@ -17,8 +17,8 @@ communicates; the context's collectives are given to it by the dispatcher.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -155,7 +155,9 @@ class LocalContext:
         """This rank's region of fresh random values (``"uniform"`` or ``"normal"``) of ``meta``'s shape and
         dtype, partial axes held whole; None outside the placement. The values do not depend on the layout
         (``_layout/_random.py``); every rank must draw, as it advances the generator."""
-        starts, lengths = (None, None) if self.coord is None else meta.with_sbp(partials_as_broadcast(meta.sbp)).region(self.coord)
+        starts, lengths = (
+            (None, None) if self.coord is None else meta.with_sbp(partials_as_broadcast(meta.sbp)).region(self.coord)
+        )
         return random_region(kind, meta.shape, meta.dtype, starts, lengths, device)
 
     def call(self, func, **overrides):

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .core import B, P, LocalContext, OpCall, S, Signature, register
+from .core import B, LocalContext, OpCall, P, S, Signature, register
 
 aten = torch.ops.aten
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .core import B, PARTIALS, LocalContext, OpCall, S, Signature, contiguous_strides, like_input, register
+from .core import PARTIALS, B, LocalContext, OpCall, S, Signature, contiguous_strides, like_input, register
 
 aten = torch.ops.aten
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .core import B, P, P_MAX, P_MIN, PARTIALS, OpCall, S, Signature, Split, TensorInfo, operand_sbp, register
+from .core import P_MAX, P_MIN, PARTIALS, B, OpCall, P, S, Signature, Split, TensorInfo, operand_sbp, register
 
 aten = torch.ops.aten
 
@@ -52,9 +52,7 @@ def index_select(call: OpCall) -> list[Signature]:
 def gather(call: OpCall) -> list[Signature]:
     names, dim = ("self", "index"), _dim(call)
     x, index = call.bound["self"], call.bound["index"]
-    signatures = [
-        Signature((S(d), S(d)), (S(d),)) for d in range(x.ndim) if d != dim and x.shape[d] == index.shape[d]
-    ]
+    signatures = [Signature((S(d), S(d)), (S(d),)) for d in range(x.ndim) if d != dim and x.shape[d] == index.shape[d]]
     if index.ndim:
         signatures.append(Signature((B, S(dim)), (S(dim),)))
     signatures += [Signature(_layouts(call, names, {"self": s, "index": B}), (s,)) for s in (B, *PARTIALS)]

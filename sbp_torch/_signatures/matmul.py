@@ -8,14 +8,15 @@ For ``mm(a[m, k], b[k, n])`` the valid 1-D signatures are:
     P·B → P, B·P → P  the product is linear in each factor
     B·B → B
 
-``bmm`` (and ``matmul`` of same-batch tensors, see ``_frontend/_batched_matmul.py``) add batch dims; ``addmm``/``baddbmm`` add a bias that follows the product's layout.
+``bmm`` (and ``matmul`` of same-batch tensors, see ``_frontend/_batched_matmul.py``) add batch dims;
+``addmm``/``baddbmm`` add a bias that follows the product's layout.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .core import B, P, OpCall, S, Signature, operand_sbp, register
+from .core import B, OpCall, P, S, Signature, operand_sbp, register
 
 aten = torch.ops.aten
 

@@ -35,7 +35,7 @@ import math
 
 import torch
 
-from .core import B, P, LocalContext, OpCall, S, Signature, TensorInfo, every_split_part_nonempty, register
+from .core import B, LocalContext, OpCall, P, S, Signature, TensorInfo, every_split_part_nonempty, register
 
 aten = torch.ops.aten
 
@@ -165,7 +165,11 @@ def _sync_batch_norm_backward(func, ctx: LocalContext):
     return tuple(g for g, wanted in zip((grad_input, grad_weight, grad_bias), mask) if wanted)
 
 
-@register(aten.native_batch_norm, check_nd=every_split_part_nonempty, local_fns={SYNC_STATS: _sync_batch_norm, EVALUATION: _evaluation_batch_norm})
+@register(
+    aten.native_batch_norm,
+    check_nd=every_split_part_nonempty,
+    local_fns={SYNC_STATS: _sync_batch_norm, EVALUATION: _evaluation_batch_norm},
+)
 def batch_norm(call: OpCall) -> list[Signature]:
     x = call.inputs[0]
     per_channel = _present(call, PER_CHANNEL)
@@ -181,7 +185,11 @@ def batch_norm(call: OpCall) -> list[Signature]:
     return signatures + [Signature((B,) * (1 + len(per_channel)), (B, B, B), local_fn=None if training else EVALUATION)]
 
 
-@register(aten.native_batch_norm_backward, check_nd=every_split_part_nonempty, local_fns={SYNC_STATS: _sync_batch_norm_backward})
+@register(
+    aten.native_batch_norm_backward,
+    check_nd=every_split_part_nonempty,
+    local_fns={SYNC_STATS: _sync_batch_norm_backward},
+)
 def batch_norm_backward(call: OpCall) -> list[Signature]:
     x = call.inputs[1]
     n = len(_present(call, PER_CHANNEL))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .core import B, P, OpCall, Partial, S, Signature, TensorInfo, operand_sbp, register_family
+from .core import B, OpCall, P, Partial, S, Signature, TensorInfo, operand_sbp, register_family
 
 aten = torch.ops.aten
 

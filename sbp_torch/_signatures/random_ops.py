@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 
 from .core import (
-    B,
     PARTIALS,
+    B,
     GlobalMeta,
     LocalContext,
     OpCall,
@@ -94,7 +94,9 @@ def _uses_own_generator(call: OpCall) -> bool:
     return call.arg("generator") is not None
 
 
-@register(aten.rand_like.default, aten.randn_like.default, aten.bernoulli.p, local_fns=LOCAL_FNS, outside=_advance_outside)
+@register(
+    aten.rand_like.default, aten.randn_like.default, aten.bernoulli.p, local_fns=LOCAL_FNS, outside=_advance_outside
+)
 def fresh(call: OpCall) -> list[Signature]:
     """The input gives only the shape: its splits are kept, broadcast and partial inputs give B."""
     return [] if _uses_own_generator(call) else like_input(call, "random")

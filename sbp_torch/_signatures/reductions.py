@@ -25,11 +25,12 @@ the root. Max/min reductions need every rank to hold at least one element of eac
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
-from .core import B, P, P_MAX, P_MIN, LocalContext, OpCall, Partial, S, Signature, register, smallest_part
+from .core import P_MAX, P_MIN, B, LocalContext, OpCall, P, Partial, S, Signature, register, smallest_part
 
 aten = torch.ops.aten
 

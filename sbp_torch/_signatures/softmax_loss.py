@@ -31,7 +31,7 @@ import math
 
 import torch
 
-from .core import B, P, GlobalMeta, LocalContext, OpCall, S, Signature, Split, register
+from .core import B, GlobalMeta, LocalContext, OpCall, P, S, Signature, Split, register
 
 aten = torch.ops.aten
 

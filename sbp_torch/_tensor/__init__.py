@@ -3,17 +3,3 @@
 from ._conversions import to_placement, to_sbp
 from ._global_tensor import GlobalTensor, connect, full_tensor, gradient, to_local, wrap_fresh
 from ._gradient import gradient_part, gradient_sbp, has_extreme
-
-__all__ = [
-    "GlobalTensor",
-    "connect",
-    "full_tensor",
-    "gradient",
-    "gradient_part",
-    "gradient_sbp",
-    "has_extreme",
-    "to_local",
-    "to_placement",
-    "to_sbp",
-    "wrap_fresh",
-]

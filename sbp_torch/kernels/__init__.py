@@ -6,21 +6,10 @@ expression it replaces), a fake implementation for tracing, an autograd formula,
 docs/kernels.md.
 """
 
+from . import _rules  # noqa: F401  (registers the ops' signature rules)
 from ._bias_dropout_add import bias_dropout_add
 from ._bias_gelu import bias_gelu
 from ._cross_entropy import cross_entropy
 from ._cuda import enable_cuda_kernels
 from ._norms import layer_norm, rms_norm
 from ._softmax import scale_mask_softmax
-
-from . import _rules  # noqa: F401  (registers the ops' signature rules)
-
-__all__ = [
-    "bias_dropout_add",
-    "bias_gelu",
-    "cross_entropy",
-    "enable_cuda_kernels",
-    "layer_norm",
-    "rms_norm",
-    "scale_mask_softmax",
-]

@@ -32,7 +32,11 @@ def picked(logits: torch.Tensor, target: torch.Tensor, first: int = 0) -> torch.
     """``logits[i, target[i] - first]`` where that column is held here, else 0."""
     local = target - first
     held = (local >= 0) & (local < logits.shape[1])
-    values = logits.gather(1, local.clamp(0, max(logits.shape[1] - 1, 0))[:, None])[:, 0] if logits.shape[1] else logits.new_zeros(target.shape)
+    values = (
+        logits.gather(1, local.clamp(0, max(logits.shape[1] - 1, 0))[:, None])[:, 0]
+        if logits.shape[1]
+        else logits.new_zeros(target.shape)
+    )
     return torch.where(held, values, 0.0)
 
 
@@ -113,5 +117,7 @@ def cross_entropy(logits, target, ignore_index: int = -100, reduction: str = "me
     if reduction not in REDUCTIONS:
         raise ValueError(f"cross_entropy: reduction must be one of {sorted(REDUCTIONS)}, got {reduction!r}")
     if logits.dim() != 2 or target.shape != logits.shape[:1]:
-        raise ValueError(f"cross_entropy: expected logits [N, C] and target [N], got {tuple(logits.shape)}, {tuple(target.shape)}")
+        raise ValueError(
+            f"cross_entropy: expected logits [N, C] and target [N], got {tuple(logits.shape)}, {tuple(target.shape)}"
+        )
     return cross_entropy_op(logits, target, int(ignore_index), REDUCTIONS[reduction])[0]

@@ -14,8 +14,11 @@ from __future__ import annotations
 import torch
 
 from . import _extension
-from ._bias_dropout_add import draws
-from ._cross_entropy import reduce_loss, row_weights
+from ._bias_dropout_add import bias_dropout_add_op, draws
+from ._bias_gelu import bias_gelu_op
+from ._cross_entropy import cross_entropy_backward_op, cross_entropy_op, reduce_loss, row_weights
+from ._norms import layer_norm_op, rms_norm_op
+from ._softmax import scale_mask_softmax_op
 
 FAST = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -28,15 +31,20 @@ def load_extension(verbose: bool = False):
 def enable_cuda_kernels(verbose: bool = False) -> None:
     """Load the extension and register its kernels as the ``cuda`` implementations of the custom ops."""
     ext = load_extension(verbose)
-    from ._bias_dropout_add import bias_dropout_add_op
-    from ._bias_gelu import bias_gelu_op
-    from ._cross_entropy import cross_entropy_backward_op, cross_entropy_op
-    from ._norms import layer_norm_op, rms_norm_op
-    from ._softmax import scale_mask_softmax_op
 
     # the pure-PyTorch implementation each op was defined with: float64 and unsupported cases stay on it
-    ref = {op: op._init_fn for op in (bias_gelu_op, bias_dropout_add_op, scale_mask_softmax_op, layer_norm_op,
-                                        rms_norm_op, cross_entropy_op, cross_entropy_backward_op)}
+    ref = {
+        op: op._init_fn
+        for op in (
+            bias_gelu_op,
+            bias_dropout_add_op,
+            scale_mask_softmax_op,
+            layer_norm_op,
+            rms_norm_op,
+            cross_entropy_op,
+            cross_entropy_backward_op,
+        )
+    }
 
     @bias_gelu_op.register_kernel("cuda")
     def _(x, bias, approximate):
@@ -62,7 +70,9 @@ def enable_cuda_kernels(verbose: bool = False) -> None:
             return ref[scale_mask_softmax_op](x, mask, scale, causal)  # the kernel repeats one [q, k] mask
         if mask is not None:  # one [queries, keys] mask that the kernel repeats over the leading rows
             trailing = x.shape[-2:] if x.dim() > 1 else x.shape
-            mask = mask.reshape(mask.shape[-len(trailing):] if mask.dim() > len(trailing) else mask.shape).expand(trailing)
+            mask = mask.reshape(mask.shape[-len(trailing) :] if mask.dim() > len(trailing) else mask.shape).expand(
+                trailing
+            )
         return ext.scale_mask_softmax(x, mask, scale, x.shape[-2] if causal else 0)
 
     @cross_entropy_op.register_kernel("cuda")
@@ -79,7 +89,9 @@ def enable_cuda_kernels(verbose: bool = False) -> None:
         if logits.dtype not in FAST:
             return ref[cross_entropy_backward_op](grad, logits, target, lse, ignore_index, reduction)
         kept = target != ignore_index
-        return ext.cross_entropy_backward(logits, target, lse, row_weights(grad.float(), kept, reduction, kept.sum()), 0)
+        return ext.cross_entropy_backward(
+            logits, target, lse, row_weights(grad.float(), kept, reduction, kept.sum()), 0
+        )
 
     @bias_dropout_add_op.register_kernel("cuda")
     def _(x, bias, residual, p, training):

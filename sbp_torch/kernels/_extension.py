@@ -13,8 +13,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # module of sbp_torch -> its sources, relative to the repository root
 SOURCES = {
-    "_kernels_cuda": ["csrc/kernels.cpp", "cuda/bias_dropout_add.cu", "cuda/bias_gelu.cu", "cuda/cross_entropy.cu",
-                      "cuda/norms.cu", "cuda/softmax.cu"],
+    "_kernels_cuda": [
+        "csrc/kernels.cpp",
+        "cuda/bias_dropout_add.cu",
+        "cuda/bias_gelu.cu",
+        "cuda/cross_entropy.cu",
+        "cuda/norms.cu",
+        "cuda/softmax.cu",
+    ],
 }
 FLAGS = {"extra_cflags": ["-O2", "-std=c++17"], "extra_cuda_cflags": ["-O3", "-std=c++17"]}
 
@@ -36,8 +42,10 @@ def load(module: str, verbose: bool = False):
             ext = importlib.import_module(f"sbp_torch.{module}")
         except ImportError:
             if not can_build():
-                raise ImportError(f"sbp_torch.{module} was not built at install time and cannot be built here: "
-                                  f"that needs a CUDA build of torch, nvcc and ninja, and the source tree") from None
+                raise ImportError(
+                    f"sbp_torch.{module} was not built at install time and cannot be built here: "
+                    f"that needs a CUDA build of torch, nvcc and ninja, and the source tree"
+                ) from None
             from torch.utils.cpp_extension import load as build
 
             ext = build(f"sbp_torch{module}", [str(ROOT / s) for s in SOURCES[module]], verbose=verbose, **FLAGS)

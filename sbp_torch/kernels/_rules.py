@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .._signatures.core import B, P, GlobalMeta, LocalContext, OpCall, S, Signature, Split, operand_sbp, register
+from .._signatures.core import B, GlobalMeta, LocalContext, OpCall, P, S, Signature, Split, operand_sbp, register
 from . import _bias_dropout_add as bda
 from . import _bias_gelu, _norms, _softmax  # noqa: F401  (they define the ops ruled here)
 from . import _cross_entropy as ce
@@ -40,7 +40,9 @@ def _feature_signatures(call: OpCall, params: int, extra=(), local_fn=None, last
         if d == x.ndim - 1 and not last:
             continue
         param = S(0) if d == x.ndim - 1 else B
-        signatures.append(Signature((S(d),) + (param,) * params + (S(d),) * len(extra), (S(d),) * len(call.outputs), local_fn))
+        signatures.append(
+            Signature((S(d),) + (param,) * params + (S(d),) * len(extra), (S(d),) * len(call.outputs), local_fn)
+        )
     return signatures + [Signature((B,) * len(call.inputs), (B,) * len(call.outputs), local_fn)]
 
 

@@ -3,8 +3,6 @@ positions (``mask`` True) and, if ``causal``, positions above the diagonal of th
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 
@@ -15,7 +13,7 @@ def causal_mask(x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.library.custom_op("sbp_torch::scale_mask_softmax", mutates_args=())
-def scale_mask_softmax_op(x: torch.Tensor, mask: Optional[torch.Tensor], scale: float, causal: bool) -> torch.Tensor:
+def scale_mask_softmax_op(x: torch.Tensor, mask: torch.Tensor | None, scale: float, causal: bool) -> torch.Tensor:
     scores = x * scale
     if mask is not None:
         scores = scores.masked_fill(mask, float("-inf"))

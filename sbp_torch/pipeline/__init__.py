@@ -2,5 +2,3 @@
 from register quotas (``Pipeline``, ``SCHEDULES``, ``PipelineError``; see docs/pipeline.md)."""
 
 from ._pipeline import SCHEDULES, Pipeline, PipelineError
-
-__all__ = ["SCHEDULES", "Pipeline", "PipelineError"]

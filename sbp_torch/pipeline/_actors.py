@@ -15,8 +15,9 @@ time with either, within noise, so only this one is kept; see docs/pipeline.md.)
   are ready: transfers post their sends and receives and the loop goes on with compute meanwhile.
 * ``Runtime.run()`` is the loop of one rank: complete finished asynchronous work, then fire the first
   ready actor in the order they were added (that order is the priority), until every actor has fired its
-  count. When nothing is ready it sleeps until asynchronous work calls ``Runtime.notify``. There is no coordinator: actors on other ranks are reached only through the messages that the
-  transfer actors' bodies exchange.
+  count. When nothing is ready it sleeps until asynchronous work calls ``Runtime.notify``. There is no
+  coordinator: actors on other ranks are reached only through the messages that the transfer actors'
+  bodies exchange.
 """
 
 from __future__ import annotations
@@ -85,8 +86,12 @@ class Actor:
     busy: bool = False  # an asynchronous firing is under way
 
     def ready(self) -> bool:
-        return (not self.busy and self.fired < self.count and all(r.readable() for r in self.inputs)
-                and all(r.free() for r in self.outputs))
+        return (
+            not self.busy
+            and self.fired < self.count
+            and all(r.readable() for r in self.inputs)
+            and all(r.free() for r in self.outputs)
+        )
 
 
 @dataclass

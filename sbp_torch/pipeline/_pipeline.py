@@ -58,7 +58,9 @@ def _stage_placement(index: int, module: nn.Module):
         raise ValueError(f"stage {index} has no parameters or buffers to tell its placement")
     plain = [n for n, t in tensors if not isinstance(t, GlobalTensor)]
     if plain:
-        raise ValueError(f"stage {index}: {plain[0]!r} is not global; lay the stage out with module.to_global(placement)")
+        raise ValueError(
+            f"stage {index}: {plain[0]!r} is not global; lay the stage out with module.to_global(placement)"
+        )
     placements = {}
     for name, t in tensors:
         placements.setdefault(t.placement, name)
@@ -88,15 +90,19 @@ def _check_placements(placements: list) -> None:
                 f"rank {r} is in the placements of stages {stages}, and stage {wide[0]} has several ranks: a "
                 f"rank may hold several stages only if each is on that rank alone (the order of their actors "
                 f"follows message timing, and a data or tensor parallel stage's collectives need one order on "
-                f"all its ranks)")
+                f"all its ranks)"
+            )
         for a, b in zip(stages, stages[1:]):
             if b == a + 1:
-                raise ValueError(f"rank {r} holds the consecutive stages {a} and {b}: put them in one module, "
-                                 f"or on different ranks")
+                raise ValueError(
+                    f"rank {r} holds the consecutive stages {a} and {b}: put them in one module, or on different ranks"
+                )
     idle = sorted(set(range(world)) - set(owners))
     if idle:
-        raise ValueError(f"rank(s) {idle} of the {world}-rank world are in no stage's placement: "
-                         f"stage placements must cover every rank")
+        raise ValueError(
+            f"rank(s) {idle} of the {world}-rank world are in no stage's placement: "
+            f"stage placements must cover every rank"
+        )
 
 
 def _staging(placement):
@@ -110,7 +116,8 @@ def _staging(placement):
         raise ValueError(
             "a pipeline on CUDA sends its stage transfers through pinned host memory over the process group's "
             "CPU backend, and the default group has none: initialise it with one, e.g. "
-            "init_process_group('cpu:gloo,cuda:nccl')") from err
+            "init_process_group('cpu:gloo,cuda:nccl')"
+        ) from err
     return Staging(placement.device())
 
 
@@ -142,8 +149,9 @@ class Pipeline:
     Every rank builds the same stages and calls ``step`` with the same batch.
     """
 
-    def __init__(self, stages, loss_fn, micro_batches: int, schedule: str = "1f1b", *, input_sbp=None,
-                 target_sbp=None, tied=()):
+    def __init__(
+        self, stages, loss_fn, micro_batches: int, schedule: str = "1f1b", *, input_sbp=None, target_sbp=None, tied=()
+    ):
         if not dist.is_initialized():
             raise RuntimeError("Pipeline needs torch.distributed to be initialized")
         if schedule not in SCHEDULES:
@@ -211,13 +219,17 @@ class Pipeline:
         except Exception as err:  # noqa: BLE001 - any stage error stops every rank
             failure = err
             where = getattr(err, "pipeline_stage", "/".join(map(str, self.local_stages)))
-            store.set(key, f"stage {where} on rank {dist.get_rank()} raised {type(err).__name__}: {err}\n"
-                           + "".join(traceback.format_exception(err)))
+            store.set(
+                key,
+                f"stage {where} on rank {dist.get_rank()} raised {type(err).__name__}: {err}\n"
+                + "".join(traceback.format_exception(err)),
+            )
         self.events = runtime.events
         self.peak_activations = {stage: forwards[stage].peak for stage in self.local_stages}
         report = dist.get_rank() == self.placements[-1].flat_ranks[0]
-        flag = torch.tensor([float(sum(losses)) if report and failure is None else 0.0, float(failure is not None)],
-                            dtype=torch.float64)
+        flag = torch.tensor(
+            [float(sum(losses)) if report and failure is None else 0.0, float(failure is not None)], dtype=torch.float64
+        )
         dist.all_reduce(flag)
         if flag[1] > 0:
             lanes.drain()
@@ -257,30 +269,42 @@ class Pipeline:
 
         def receiving(src, boundary, direction, requires_grad):
             def body(i, _):
-                poll = transfer.recv(src, here, tag(boundary, direction, i), requires_grad, lanes,
-                                     self._channel(boundary, direction))
+                poll = transfer.recv(
+                    src, here, tag(boundary, direction, i), requires_grad, lanes, self._channel(boundary, direction)
+                )
                 return Pending(lambda: (lambda x: None if x is None else (x,))(poll()))
+
             return body
 
         def sending(dst, boundary, direction):
             def body(i, inputs):
-                poll = transfer.send(inputs[0], dst, tag(boundary, direction, i), lanes,
-                                     self._channel(boundary, direction))
+                poll = transfer.send(
+                    inputs[0], dst, tag(boundary, direction, i), lanes, self._channel(boundary, direction)
+                )
                 return Pending(lambda: () if poll() else None)
+
             return body
 
         def forward_body(i, inputs):
             if first:
                 sbp = self.input_sbp or (broadcast,) * here.ndim
-                x = _part(xs[i], GlobalMeta(tuple(xs[i].shape), xs[i].dtype, here,
-                                            normalize_sbp(sbp, here, xs[i].dim(), xs[i].dtype)))
+                x = _part(
+                    xs[i],
+                    GlobalMeta(
+                        tuple(xs[i].shape), xs[i].dtype, here, normalize_sbp(sbp, here, xs[i].dim(), xs[i].dtype)
+                    ),
+                )
             else:
                 x = inputs[0]
             y = module(x)
             if last:
                 sbp = self.target_sbp or (broadcast,) * here.ndim
-                t = _part(ys[i], GlobalMeta(tuple(ys[i].shape), ys[i].dtype, here,
-                                            normalize_sbp(sbp, here, ys[i].dim(), ys[i].dtype)))
+                t = _part(
+                    ys[i],
+                    GlobalMeta(
+                        tuple(ys[i].shape), ys[i].dtype, here, normalize_sbp(sbp, here, ys[i].dim(), ys[i].dtype)
+                    ),
+                )
                 loss = self.loss_fn(y, t)
                 losses.append(loss.detach().full_tensor() * weights[i])  # read at the step's end: no sync here
                 return ((x, loss * weights[i]),)
@@ -300,35 +324,72 @@ class Pipeline:
 
         transfers = []
         if not first:
-            transfers.append(Actor(f"recv activation s{s}", receiving(self.placements[s - 1], s - 1, 0, True), m,
-                                   outputs=[act_in], kind="transfer"))
+            transfers.append(
+                Actor(
+                    f"recv activation s{s}",
+                    receiving(self.placements[s - 1], s - 1, 0, True),
+                    m,
+                    outputs=[act_in],
+                    kind="transfer",
+                )
+            )
         if not last:
-            transfers.append(Actor(f"recv gradient s{s}", receiving(self.placements[s + 1], s, 1, False), m,
-                                   outputs=[grad_in], kind="transfer"))
-            transfers.append(Actor(f"send activation s{s}", sending(self.placements[s + 1], s, 0), m,
-                                   inputs=[act_out], kind="transfer"))
+            transfers.append(
+                Actor(
+                    f"recv gradient s{s}",
+                    receiving(self.placements[s + 1], s, 1, False),
+                    m,
+                    outputs=[grad_in],
+                    kind="transfer",
+                )
+            )
+            transfers.append(
+                Actor(
+                    f"send activation s{s}", sending(self.placements[s + 1], s, 0), m, inputs=[act_out], kind="transfer"
+                )
+            )
         if not first:
-            transfers.append(Actor(f"send gradient s{s}", sending(self.placements[s - 1], s - 1, 1), m,
-                                   inputs=[grad_out], kind="transfer"))
+            transfers.append(
+                Actor(
+                    f"send gradient s{s}",
+                    sending(self.placements[s - 1], s - 1, 1),
+                    m,
+                    inputs=[grad_out],
+                    kind="transfer",
+                )
+            )
         computes = [
-            Actor(f"forward s{s}", _in_stage(s, forward_body), m, inputs=[act_in] if act_in else [],
-                  outputs=[forward] + ([act_out] if act_out else []), kind="forward"),
-            Actor(f"backward s{s}", _in_stage(s, backward_body), m, inputs=[forward] + ([grad_in] if grad_in else []),
-                  outputs=[grad_out] if grad_out else [], kind="backward"),
+            Actor(
+                f"forward s{s}",
+                _in_stage(s, forward_body),
+                m,
+                inputs=[act_in] if act_in else [],
+                outputs=[forward] + ([act_out] if act_out else []),
+                kind="forward",
+            ),
+            Actor(
+                f"backward s{s}",
+                _in_stage(s, backward_body),
+                m,
+                inputs=[forward] + ([grad_in] if grad_in else []),
+                outputs=[grad_out] if grad_out else [],
+                kind="backward",
+            ),
         ]
         return transfers, computes, forward
 
 
 def _in_stage(stage: int, body):
     """``body``, whose errors carry the stage they came from (a rank may run several stages)."""
+
     def run(i, inputs):
         try:
             return body(i, inputs)
         except Exception as err:
             err.pipeline_stage = stage
             raise
-    return run
 
+    return run
 
 
 def _sendable(t: GlobalTensor) -> GlobalTensor:
@@ -345,7 +406,9 @@ class _Stopped(Exception):
 
 def _store_watch(store, key: str):
     """A check for the runtime's idle loop: raises _Stopped once ``key`` is set."""
+
     def check():
         if store.check([key]):
             raise _Stopped
+
     return check

@@ -32,8 +32,9 @@ def _resolve(stages: list[nn.Module], name: str) -> tuple[int, nn.Parameter]:
     """``"<stage>.<parameter name>"`` -> (the stage index, that stage's parameter)."""
     index, _, rest = name.partition(".")
     if not index.isdigit() or int(index) >= len(stages) or not rest:
-        raise ValueError(f"tied parameter {name!r}: expected '<stage index>.<parameter name>' with a stage "
-                         f"index below {len(stages)}")
+        raise ValueError(
+            f"tied parameter {name!r}: expected '<stage index>.<parameter name>' with a stage index below {len(stages)}"
+        )
     try:
         return int(index), stages[int(index)].get_parameter(rest)
     except AttributeError as err:
@@ -53,11 +54,14 @@ class TiedParameters:
             first = params[0]
             for name, p in zip(group[1:], params[1:]):
                 if (p.shape, p.dtype) != (first.shape, first.dtype):
-                    raise ValueError(f"tied parameters {group[0]!r} and {name!r} differ: {tuple(first.shape)} "
-                                     f"{first.dtype} against {tuple(p.shape)} {p.dtype}")
+                    raise ValueError(
+                        f"tied parameters {group[0]!r} and {name!r} differ: {tuple(first.shape)} "
+                        f"{first.dtype} against {tuple(p.shape)} {p.dtype}"
+                    )
             if len(set(stage_of)) < len(stage_of):
-                raise ValueError(f"tied parameters {group} include two on one stage; tie those inside the "
-                                 f"stage's module instead")
+                raise ValueError(
+                    f"tied parameters {group} include two on one stage; tie those inside the stage's module instead"
+                )
             self.groups.append(list(params))
         self._before: list[list] = []
         self._copy_first_values()
@@ -72,8 +76,10 @@ class TiedParameters:
 
     def begin_step(self) -> None:
         """Remember the gradients the copies hold before the step (accumulated over earlier steps)."""
-        self._before = [[p.grad.detach().clone() if _holds(p) and p.grad is not None else None for p in group]
-                        for group in self.groups]
+        self._before = [
+            [p.grad.detach().clone() if _holds(p) and p.grad is not None else None for p in group]
+            for group in self.groups
+        ]
 
     def end_step(self) -> None:
         """Add to each copy's gradient what the other copies accumulated during the step. Every rank calls it."""

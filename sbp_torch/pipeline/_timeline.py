@@ -31,9 +31,18 @@ class Timeline:
         for rank, events in enumerate(self.ranks):
             out.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}})
             for actor, kind, index, start, end in events:
-                out.append({"ph": "X", "name": f"{kind} {index}", "cat": kind, "pid": rank, "tid": actor,
-                            "ts": (start - self.origin) * 1e6, "dur": (end - start) * 1e6,
-                            "args": {"actor": actor, "micro_batch": index}})
+                out.append(
+                    {
+                        "ph": "X",
+                        "name": f"{kind} {index}",
+                        "cat": kind,
+                        "pid": rank,
+                        "tid": actor,
+                        "ts": (start - self.origin) * 1e6,
+                        "dur": (end - start) * 1e6,
+                        "args": {"actor": actor, "micro_batch": index},
+                    }
+                )
         return {"traceEvents": out, "displayTimeUnit": "ms"}
 
     def write_chrome_trace(self, path: str) -> None:
@@ -51,7 +60,7 @@ class Timeline:
         fig, ax = plt.subplots(figsize=(10, 0.7 + 0.6 * len(self.ranks)))
         for rank, events in enumerate(self.ranks):
             y = len(self.ranks) - 1 - rank
-            for actor, kind, index, start, end in events:
+            for _, kind, index, start, end in events:
                 x0, width = (start - self.origin) * 1e3, (end - start) * 1e3
                 if kind == "transfer":
                     ax.broken_barh([(x0, width)], (y - 0.45, 0.12), color=COLORS[kind], alpha=0.5)

@@ -43,8 +43,9 @@ def _header(meta: GlobalMeta) -> torch.Tensor:
     data = pickle.dumps((meta.shape, str(meta.dtype), meta.sbp))
     if len(data) > HEADER_BYTES - 4:
         raise ValueError(f"tensor metadata too long to send between stages: {meta}")
-    return torch.frombuffer(bytearray(len(data).to_bytes(4, "little") + data.ljust(HEADER_BYTES - 4, b"\0")),
-                            dtype=torch.uint8)
+    return torch.frombuffer(
+        bytearray(len(data).to_bytes(4, "little") + data.ljust(HEADER_BYTES - 4, b"\0")), dtype=torch.uint8
+    )
 
 
 def _parse_header(buf: torch.Tensor):
@@ -235,8 +236,9 @@ def send(x: GlobalTensor, dst_placement, tag: int, lanes: Lanes, channel: Channe
         outgoing += [(header, r, tag) for r in dst_placement.flat_ranks]
     if guess is not None and guess != meta:
         guessed = _plan(guess, _destination(guess, dst_placement)).pieces
-        outgoing += [(torch.zeros(p.lengths, dtype=guess.dtype), p.dst, first + i)
-                     for i, p in enumerate(guessed) if p.src == me]
+        outgoing += [
+            (torch.zeros(p.lengths, dtype=guess.dtype), p.dst, first + i) for i, p in enumerate(guessed) if p.src == me
+        ]
         first += len(guessed)
     plan = _plan(meta, _destination(meta, dst_placement))
     if first + len(plan.pieces) > tag + TAGS_PER_TRANSFER:

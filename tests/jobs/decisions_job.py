@@ -24,14 +24,14 @@ def main():
     model = nn.Sequential(nn.Linear(6, 10), nn.ReLU(), nn.Linear(10, 3))
     model.to_global(p, {"0.*": split(0), "2.weight": split(1)})
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    for step in range(2):
+    for _ in range(2):
         x = torch.randn(5, 6).to_global(p, broadcast)
         loss = model(x).pow(2).mean() + (x.to_global(sbp=partial_sum) * 2).sum()
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
     mine = [
-        f"{entry.func} -> {(entry.decision.signatures, entry.decision.input_sbps) if hasattr(entry, 'decision') else entry}"
+        f"{entry.func} -> {(entry.decision.signatures, entry.decision.input_sbps) if hasattr(entry, 'decision') else entry}"  # noqa: E501
         for entry in CALLS.entries()
     ]
     everyone = [None, None]
