@@ -2,8 +2,6 @@
 per op and argument key: a compiled plan, or a fallback with its reason) and the learnt local calls. Both
 are least recently used and bounded, by default at 4096 entries each (``SBP_TORCH_CACHE_SIZE``)."""
 
-from __future__ import annotations
-
 from typing import NamedTuple
 
 from .._dispatch import CALLS, CacheInfo

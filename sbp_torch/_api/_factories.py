@@ -1,7 +1,5 @@
 """Creation of global tensors: each rank builds only its own part, with no communication."""
 
-from __future__ import annotations
-
 import torch
 
 from .. import _comm as comm

@@ -11,8 +11,6 @@ buffer is full or at the end of backward. All-reduce buckets start asynchronousl
 backward; reduce-scatter buckets run when they are started.
 """
 
-from __future__ import annotations
-
 import math
 
 import torch

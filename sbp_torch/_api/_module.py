@@ -8,8 +8,6 @@ a split tensor is *one part* of a bigger logical tensor: a model is written for 
 
 """
 
-from __future__ import annotations
-
 import fnmatch
 from collections.abc import Mapping
 

@@ -5,8 +5,6 @@ agreed on (every rank learns every part's shape before any data moves), assemble
 balanced parts that a global tensor holds, and the gradient comes back cut like the parts that went in.
 """
 
-from __future__ import annotations
-
 import torch
 import torch.distributed as dist
 

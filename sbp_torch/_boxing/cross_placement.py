@@ -21,8 +21,6 @@
 Ranks in neither placement have no piece and no step: they return at once.
 """
 
-from __future__ import annotations
-
 import itertools
 from dataclasses import dataclass
 from functools import lru_cache

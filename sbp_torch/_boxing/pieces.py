@@ -8,8 +8,6 @@ placements (``cross_placement.py``) and, on one N-D placement, by the planner wh
 fewer bytes than any sequence of collectives (``plan.py``: a swap such as ``(S0, B) -> (B, S0)``).
 """
 
-from __future__ import annotations
-
 import math
 from collections import Counter
 from dataclasses import dataclass

@@ -15,8 +15,6 @@ collectives, to a goal without partial axes, send each rank just the pieces it l
 as its bytes plus a latency per message.
 """
 
-from __future__ import annotations
-
 import heapq
 import math
 from dataclasses import dataclass

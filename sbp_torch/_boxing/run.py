@@ -1,7 +1,5 @@
 """Execute a boxing plan on this rank's local part."""
 
-from __future__ import annotations
-
 import torch
 
 from .._comm import axis_group

@@ -13,8 +13,6 @@ A change of partial op is not a row: the planner routes it through a split (redu
 which sends half the bytes of an all-reduce.
 """
 
-from __future__ import annotations
-
 from collections.abc import Callable
 from dataclasses import dataclass
 

@@ -4,8 +4,6 @@ Mismatched placements, SBPs or dtypes would make ranks issue different collectiv
 the default process group lets every rank see what the others passed, so all of them raise the same error.
 """
 
-from __future__ import annotations
-
 import torch.distributed as dist
 
 from ._collectives import CollectiveError

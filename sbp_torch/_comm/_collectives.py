@@ -6,8 +6,6 @@ collective (all-gather of unequal parts), the same bytes go through ``all_to_all
 timed-out collective raises ``CollectiveError`` saying what was being waited for.
 """
 
-from __future__ import annotations
-
 import math
 
 import torch

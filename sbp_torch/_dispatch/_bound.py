@@ -9,8 +9,6 @@ global tensors without binding again (``at``, ``substitute``).
 A slot is ``(position or keyword, index in a list or None)``: aten arguments nest at most one list deep.
 """
 
-from __future__ import annotations
-
 import itertools
 from functools import cached_property
 

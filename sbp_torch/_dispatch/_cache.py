@@ -2,12 +2,16 @@
 
 The dispatcher keeps one of these for its call plans, the frontend one for its learnt local calls. A long
 run with changing shapes (a new sequence length every step) would otherwise grow them without limit.
+
+A hit is one dictionary lookup and a stamp from a counter: the entries are not reordered on every hit (an
+ordered dictionary's reordering hashes the key a second time, which doubled the cost of a hit). When an
+insertion passes the bound, the least recently stamped eighth of the entries goes at once, so the cache
+never holds more than its bound and the sorting is paid once per many insertions.
 """
 
-from __future__ import annotations
-
+import itertools
 import os
-from collections import OrderedDict
+import threading
 from typing import NamedTuple
 
 DEFAULT_SIZE = int(os.environ.get("SBP_TORCH_CACHE_SIZE", "4096"))
@@ -23,61 +27,68 @@ class CacheInfo(NamedTuple):
 
 
 class LruCache:
-    """Up to ``maxsize`` entries; a hit makes its entry the most recent, an insertion past the bound drops
-    the least recent. Safe to share between threads: each step is one operation on an ``OrderedDict``,
-    and a step that finds its entry gone (dropped by another thread meanwhile) is taken as a miss."""
+    """Up to ``maxsize`` entries; past the bound, the least recently used go first. Safe to share between
+    threads: a lookup or an insertion is one operation on a dictionary, and eviction holds a lock."""
 
     def __init__(self, maxsize: int = DEFAULT_SIZE):
-        self._entries: OrderedDict = OrderedDict()
+        self._entries: dict = {}  # key -> [value, stamp of its last use]
+        self._clock = itertools.count()  # stamps: one per hit and one per insertion
+        self._lock = threading.Lock()
         self.maxsize = maxsize
-        self.hits = self.misses = 0
+        self._inserted = self._misses = self._infos = self._first_stamp = 0
 
     def get(self, key):
         """The entry of ``key`` (counted as a hit), or None (a miss); ``key`` must be hashable."""
-        entry = self._entries.get(key)
-        if entry is None:
-            self.misses += 1
+        slot = self._entries.get(key)
+        if slot is None:
+            self._misses += 1
             return None
-        self.hits += 1
-        try:
-            self._entries.move_to_end(key)
-        except KeyError:
-            pass
-        return entry
+        slot[1] = next(self._clock)
+        return slot[0]
 
     def peek(self, key):
-        """The entry of ``key`` or None, counting nothing and changing no order."""
-        return self._entries.get(key)
+        """The entry of ``key`` or None, counting nothing."""
+        slot = self._entries.get(key)
+        return None if slot is None else slot[0]
 
     def put(self, key, entry) -> None:
-        self._entries[key] = entry
-        while len(self._entries) > self.maxsize:
-            try:
-                self._entries.popitem(last=False)
-            except KeyError:
-                break
+        self._entries[key] = [entry, next(self._clock)]
+        self._inserted += 1
+        if len(self._entries) > self.maxsize:
+            self._evict(self.maxsize - self.maxsize // 8)
 
-    def entries(self) -> list:
-        """The entries, least recently used first."""
-        return list(self._entries.values())
+    def _evict(self, keep: int) -> None:
+        """Drop all but the ``keep`` most recently used entries."""
+        with self._lock:
+            by_age = sorted(self._entries.items(), key=lambda item: item[1][1])
+            for key, _ in by_age[: max(len(by_age) - keep, 0)]:
+                self._entries.pop(key, None)
 
     def pop(self, key) -> None:
         self._entries.pop(key, None)
+
+    def entries(self) -> list:
+        """The entries, least recently used first."""
+        return [slot[0] for slot in sorted(self._entries.values(), key=lambda slot: slot[1])]
 
     def resize(self, maxsize: int) -> None:
         """Bound the cache to ``maxsize`` entries (at least 1), dropping the least recent ones beyond it."""
         if maxsize < 1:
             raise ValueError(f"a cache needs room for at least one entry, got maxsize={maxsize}")
         self.maxsize = maxsize
-        while len(self._entries) > maxsize:
-            self._entries.popitem(last=False)
+        if len(self._entries) > maxsize:
+            self._evict(maxsize)
 
     def clear(self) -> None:
         self._entries.clear()
-        self.hits = self.misses = 0
+        self._first_stamp = next(self._clock) + 1
+        self._inserted = self._misses = self._infos = 0
 
     def info(self) -> CacheInfo:
-        return CacheInfo(self.hits, self.misses, self.maxsize, len(self._entries))
+        # Stamps since the last clear went to hits, insertions and earlier calls of this method.
+        hits = next(self._clock) - self._first_stamp - self._inserted - self._infos
+        self._infos += 1
+        return CacheInfo(hits, self._misses, self.maxsize, len(self._entries))
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -7,8 +7,6 @@ on the local parts, and wrap the outputs with the decided metadata; in-place and
 tensors they wrote. Ranks outside the placement run no op: they return empty parts.
 """
 
-from __future__ import annotations
-
 from collections.abc import Callable
 from dataclasses import dataclass
 

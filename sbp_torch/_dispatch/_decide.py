@@ -10,8 +10,6 @@ The decision is cached on the op, the inputs' global metadata and the static arg
 ``Scalar`` count by type only, so a changing learning rate does not miss the cache).
 """
 
-from __future__ import annotations
-
 import itertools
 from dataclasses import dataclass
 

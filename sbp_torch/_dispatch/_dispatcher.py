@@ -8,8 +8,6 @@ placement for every global input; plain tensors only as 0-dim scalars, unless im
 decided (``_decide.py``), compiled (``_call_plan.py``) and stored.
 """
 
-from __future__ import annotations
-
 import contextlib
 import contextvars
 

@@ -4,8 +4,6 @@ back into their own layout. It warns once per op, or raises in strict mode (``_m
 result is a Python value (``VALUE_OPS``) take it quietly.
 """
 
-from __future__ import annotations
-
 import warnings
 from dataclasses import dataclass
 

@@ -11,8 +11,6 @@ in-place ops, but not for foreach ones; so the version of each global tensor in 
 here, or autograd would not see a saved tensor changed by an optimizer step.
 """
 
-from __future__ import annotations
-
 from collections.abc import Callable
 from dataclasses import dataclass
 

@@ -13,8 +13,6 @@ Tensors with a partial axis (a norm of a sum is not a sum of norms) are reduced 
 partial axes first.
 """
 
-from __future__ import annotations
-
 import torch
 
 from .. import _comm as comm

@@ -4,8 +4,6 @@ A pipeline's transfer lanes are threads, and a mode set by one thread must not c
 each thread starts with the defaults (strict mode: the environment variable ``SBP_TORCH_STRICT``).
 """
 
-from __future__ import annotations
-
 import contextlib
 import contextvars
 import os

@@ -18,8 +18,6 @@ them would advance the generator), shapes that do not broadcast or an in-place o
 to grow, and combinations the one-element run refuses (the trace then raises the real error).
 """
 
-from __future__ import annotations
-
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 

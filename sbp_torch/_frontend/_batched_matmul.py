@@ -9,8 +9,6 @@ dispatcher as one ``aten.matmul`` call, whose rule (``_signatures/matmul.py``) s
 autograd function gives it the two matmuls of its gradient.
 """
 
-from __future__ import annotations
-
 import torch
 
 from .._dispatch import dispatch

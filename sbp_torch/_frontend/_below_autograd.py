@@ -1,7 +1,5 @@
 """The ordinary way for a torch function on global tensors: through autograd down to ``__torch_dispatch__``."""
 
-from __future__ import annotations
-
 import torch
 
 # torch's C++ helper that calls a function with torch functions off: cheaper than a context manager per call,

@@ -32,8 +32,6 @@ The learnt calls live in ``LOCAL_CALLS``, bounded like the dispatcher's call cac
 ``SBP_TORCH_LOCAL_CALLS=0`` to turn local calls off (every call then takes the dispatch path).
 """
 
-from __future__ import annotations
-
 import os
 from dataclasses import dataclass
 
@@ -99,7 +97,7 @@ class LocalCall:
         return wrapped if self.returns == "list" else tuple(wrapped)
 
 
-LOCAL_CALLS = LruCache()  # (torch function, argument key) -> LocalCall, _REFUSED or _SEEN
+LOCAL_CALLS = LruCache()  # (torch function, *argument keys) -> LocalCall, _REFUSED or _SEEN
 # Torch functions that take the dispatch path whatever their arguments: getters (shape, grad, ...) and
 # functions that dispatched nothing and returned no tensor (dim, is_complex, ...), and functions that
 # returned a view once (transpose, view, reshape, and so indexing, whose integer and slice indices give views).
@@ -158,7 +156,7 @@ def call(func, types, args, kwargs):
         return NOT_HANDLED
     grad = _grad_enabled()
     by_type = func in FLOATS_BY_TYPE
-    key, local_args = [], []
+    key, local_args = [func], []
     if not _walk(args, by_type, grad, key, local_args):
         return NOT_HANDLED
     local_kwargs = None
@@ -169,7 +167,7 @@ def call(func, types, args, kwargs):
             return NOT_HANDLED
         key.append(names)
         local_kwargs = dict(zip(names, values))
-    key = (func, tuple(key))
+    key = tuple(key)
     try:
         plan = LOCAL_CALLS.get(key)
     except TypeError:  # an unhashable argument (a slice, say)

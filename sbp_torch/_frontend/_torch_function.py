@@ -7,8 +7,6 @@
 4. Everything else goes below autograd to ``__torch_dispatch__``, the dispatcher.
 """
 
-from __future__ import annotations
-
 from . import _batched_matmul as batched_matmul
 from . import _local_calls as local_calls
 from ._below_autograd import below_autograd, without_torch_function

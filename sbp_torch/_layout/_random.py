@@ -9,8 +9,6 @@
   every rank (as single-GPU PyTorch advances its Philox offset per kernel launch).
 """
 
-from __future__ import annotations
-
 import math
 
 import torch

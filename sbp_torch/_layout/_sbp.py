@@ -8,8 +8,6 @@
 Objects are immutable, hashable and compare by value, so layouts can be cache keys.
 """
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 
 import torch

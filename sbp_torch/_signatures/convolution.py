@@ -25,8 +25,6 @@ mishandles empty channel parts, and one rank failing would leave the others wait
     B → B
 """
 
-from __future__ import annotations
-
 import torch
 
 from .core import B, LocalContext, OpCall, P, S, Signature, every_split_part_nonempty, register

@@ -15,8 +15,6 @@ This module is the table's core: family files import only from here (and torch).
 communicates; the context's collectives are given to it by the dispatcher.
 """
 
-from __future__ import annotations
-
 from collections.abc import Callable
 from dataclasses import dataclass, field
 

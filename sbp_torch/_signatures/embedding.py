@@ -20,8 +20,6 @@ vocabulary-split gradient comes first (the inputs cost the same): no rank builds
 of a large table, and a broadcast table gets its gradient gathered when it is accumulated.
 """
 
-from __future__ import annotations
-
 import torch
 
 from .core import B, LocalContext, OpCall, P, S, Signature, register

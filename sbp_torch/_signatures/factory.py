@@ -14,8 +14,6 @@ Factories without a tensor argument (``zeros``, ``empty_strided``, ``scalar_tens
 global tensor's dispatch: ``sbp_torch.zeros`` and friends create global tensors.
 """
 
-from __future__ import annotations
-
 import torch
 
 from .core import PARTIALS, B, LocalContext, OpCall, S, Signature, contiguous_strides, like_input, register

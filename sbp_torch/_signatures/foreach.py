@@ -6,8 +6,6 @@ foreach call index by index; each single-index call is decided here like an elem
 tensors, with the same partial kinds: sums of partial sums, scaling of a partial sum.
 """
 
-from __future__ import annotations
-
 import torch
 
 from .core import B, OpCall, P, Partial, S, Signature, operand_sbp, register_family

@@ -16,8 +16,6 @@ boxing of the inputs does instead. Ops whose output shape depends on the data (`
 ``nonzero``, ``unique``, boolean-mask indexing) cannot run on meta tensors and take the broadcast fallback.
 """
 
-from __future__ import annotations
-
 import torch
 
 from .core import P_MAX, P_MIN, PARTIALS, B, OpCall, P, S, Signature, Split, TensorInfo, operand_sbp, register

@@ -12,8 +12,6 @@ For ``mm(a[m, k], b[k, n])`` the valid 1-D signatures are:
 ``addmm``/``baddbmm`` add a bias that follows the product's layout.
 """
 
-from __future__ import annotations
-
 import torch
 
 from .core import B, OpCall, P, S, Signature, operand_sbp, register

@@ -29,8 +29,6 @@ channel over every other dim:
 All: B → B. ``rms_norm`` decomposes into element-wise ops and ``mean.dim`` before it reaches dispatch.
 """
 
-from __future__ import annotations
-
 import math
 
 import torch

@@ -8,8 +8,6 @@
   every partial.
 """
 
-from __future__ import annotations
-
 import torch
 
 from .core import B, OpCall, P, Partial, S, Signature, TensorInfo, operand_sbp, register_family

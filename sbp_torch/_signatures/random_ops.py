@@ -17,8 +17,6 @@ in exchange for the layout independence. Partial outputs of in-place ops hold th
 partial-sum axis (zeros elsewhere); calls with an explicit ``generator`` take the broadcast fallback.
 """
 
-from __future__ import annotations
-
 import torch
 
 from .core import (

@@ -22,8 +22,6 @@ the root. Max/min reductions need every rank to hold at least one element of eac
 ``cumsum`` keeps a split on any dim but the scanned one, and a partial sum (it is linear).
 """
 
-from __future__ import annotations
-
 import math
 from collections.abc import Callable
 from typing import NamedTuple

@@ -25,8 +25,6 @@ total_weight), and their backward (→ gradient of the input):
 through local function "mse_mean", which divides the local sum by the logical element count.
 """
 
-from __future__ import annotations
-
 import math
 
 import torch

@@ -24,8 +24,6 @@ local functions that hand the local op the local sizes; ``view`` reshapes, becau
 transposed tensor need not be viewable even where the logical tensor (always contiguous to torch) is.
 """
 
-from __future__ import annotations
-
 import torch
 
 from .core import LocalContext, OpCall, S, Signature, Split, pass_through, register

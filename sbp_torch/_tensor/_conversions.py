@@ -3,8 +3,6 @@
 Backward boxes the gradient back to ``gradient_sbp`` of the input's layout (see ``_gradient.py``).
 """
 
-from __future__ import annotations
-
 import torch
 
 from .._boxing import box_local, plan_cross, run_cross

@@ -6,8 +6,6 @@ The type knows nothing of how ops on it are run. Its two torch entry points, ``_
 with the frontend and the dispatcher: the one place where this layer is wired to the layers above it.
 """
 
-from __future__ import annotations
-
 import torch
 
 from .._boxing import box_local

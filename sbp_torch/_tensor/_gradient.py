@@ -6,8 +6,6 @@ P(max|min) each rank's share is the output gradient where its part attains the e
 ties), which is why those parts sum to the gradient.
 """
 
-from __future__ import annotations
-
 import torch
 
 from .. import _comm as comm

@@ -6,8 +6,6 @@ does not depend on how the tensor is split (CPU: ``torch.rand`` of the logical s
 Philox). The op returns ``(out, mask)``; the mask is kept for the backward.
 """
 
-from __future__ import annotations
-
 import torch
 
 from .._layout import random_region

@@ -1,7 +1,5 @@
 """``bias_gelu(x, bias)``: ``F.gelu(x + bias, approximate=...)`` as one op over the last dim's bias."""
 
-from __future__ import annotations
-
 import torch
 import torch.nn.functional as F
 

@@ -6,8 +6,6 @@ backward (its own op) recomputes ``softmax = exp(logits - lse)``. The same piece
 kernel (``_signatures/kernels.py``): per-rank max and sum-exp combined across ranks as a max and a sum.
 """
 
-from __future__ import annotations
-
 import torch
 
 from ._library import REDUCTIONS

@@ -9,8 +9,6 @@ Status: compiled with nvcc in CI (tests/test_cuda_build.py); checked against flo
 (tests/test_kernels_gpu.py, run by benchmarks/kernels/run_gpu.sh).
 """
 
-from __future__ import annotations
-
 import torch
 
 from . import _extension

@@ -3,8 +3,6 @@ torch and nvcc were there at install time, else compiled just in time with ``tor
 (ninja) from the source tree. ``SOURCES`` is the one list of what it is built from; ``setup.py`` reads it too,
 so this module imports nothing at load time."""
 
-from __future__ import annotations
-
 import importlib
 import shutil
 from pathlib import Path

@@ -1,7 +1,5 @@
 """The ``sbp_torch`` custom-op namespace and the reduction enum the ops share."""
 
-from __future__ import annotations
-
 NAMESPACE = "sbp_torch"
 REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}  # torch's own reduction enum
 

@@ -1,7 +1,5 @@
 """``layer_norm`` and ``rms_norm`` over the last dim, with an elementwise weight (and bias)."""
 
-from __future__ import annotations
-
 import torch
 import torch.nn.functional as F
 

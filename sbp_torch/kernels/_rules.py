@@ -17,8 +17,6 @@ when ``sbp_torch.kernels`` is imported.
 Every op has B everywhere → B. The backward of the other ops is made of aten ops with their own rules.
 """
 
-from __future__ import annotations
-
 import torch
 
 from .._signatures.core import B, GlobalMeta, LocalContext, OpCall, P, S, Signature, Split, operand_sbp, register

@@ -1,8 +1,6 @@
 """``scale_mask_softmax(x, mask, scale, causal)``: softmax over the last dim of ``x * scale`` with masked
 positions (``mask`` True) and, if ``causal``, positions above the diagonal of the last two dims excluded."""
 
-from __future__ import annotations
-
 import torch
 
 

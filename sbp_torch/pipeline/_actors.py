@@ -20,8 +20,6 @@ time with either, within noise, so only this one is kept; see docs/pipeline.md.)
   bodies exchange.
 """
 
-from __future__ import annotations
-
 import threading
 import time
 from collections import deque

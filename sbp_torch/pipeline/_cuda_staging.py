@@ -15,8 +15,6 @@ The scheduler's copy streams run at the device's highest priority, and its event
 integer tickets, so the lane threads and the actor loop hand each other plain integers.
 """
 
-from __future__ import annotations
-
 import threading
 from collections import deque
 

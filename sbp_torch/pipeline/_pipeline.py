@@ -19,8 +19,6 @@ comes next.
     optimizer.step()
 """
 
-from __future__ import annotations
-
 import itertools
 import traceback
 import weakref

@@ -14,8 +14,6 @@ values and gradients between them is cross-placement boxing, which every rank ru
 copy's placement take part only as senders or receivers.
 """
 
-from __future__ import annotations
-
 import torch
 import torch.distributed as dist
 from torch import nn

@@ -4,8 +4,6 @@ Times are ``time.perf_counter`` seconds, which on Linux is the system-wide monot
 one machine share it; the chart starts at the earliest event.
 """
 
-from __future__ import annotations
-
 import json
 
 COLORS = {"forward": "#4c72b0", "backward": "#dd8452", "transfer": "#55a868", "compute": "#8172b3"}

@@ -18,8 +18,6 @@ On CUDA the pieces leave and enter the device through pinned host memory, on eac
 ordered against compute by events (``_cuda_staging.Staging``); the wire is the same.
 """
 
-from __future__ import annotations
-
 import functools
 import pickle
 import queue
