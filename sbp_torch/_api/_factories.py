@@ -23,11 +23,9 @@ def _meta(shape, placement, sbp, dtype) -> GlobalMeta:
 
 
 def _build(meta: GlobalMeta, region, requires_grad: bool) -> GlobalTensor:
-    """Make the global tensor whose logical values in a box region are ``region(starts, lengths)``.
-
-    Partial axes are built as broadcast first and then made partial locally (the value on index 0 for
-    sums, everywhere for max/min), which moves no data. ``region`` gets None on ranks outside the placement.
-    """
+    """The global tensor whose logical values in a box are ``region(starts, lengths)`` (given None on ranks
+    outside the placement). Partial axes are built as broadcast, then made partial locally (the value on index
+    0 for sums, everywhere for max/min), which moves no data."""
     comm.ensure_groups(meta.placement)
     coord = meta.placement.local_coord()
     as_broadcast = meta.with_sbp(partials_as_broadcast(meta.sbp))

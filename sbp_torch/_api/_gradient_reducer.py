@@ -1,15 +1,6 @@
-"""Gradient policy of modules laid out with ``Module.to_global``: gradients laid out like their parameters,
-reduced in buckets.
-
-A broadcast parameter used with split activations gets a partial-sum gradient. When a gradient is
-accumulated into ``.grad`` it is boxed to ``gradient_sbp(param.sbp)`` (the parameter's own layout for split
-and broadcast parameters), so optimizers see gradients laid out like their parameters. Gradients whose
-boxing is only all-reduces (the data-parallel case) or one reduce-scatter (a partial gradient of a split
-parameter: sharded data parallelism, ZeRO / FSDP style) are bucketed: they are combined into buffers of up to
-``bucket_mb`` megabytes per (placement, dtype, route) and reduced with one collective per buffer, when the
-buffer is full or at the end of backward. All-reduce buckets start asynchronously, so they overlap the rest of
-backward; reduce-scatter buckets run when they are started.
-"""
+"""Gradient policy of modules laid out with ``Module.to_global`` (docs/training.md): a gradient accumulated into
+``.grad`` is boxed to ``gradient_sbp(param.sbp)`` (the parameter's own layout for split and broadcast
+parameters), so optimizers see gradients laid out like their parameters."""
 
 import math
 
@@ -22,14 +13,13 @@ from .._tensor import GlobalTensor, gradient_sbp
 
 
 class GradientReducer:
-    """Boxes each accumulated gradient to ``gradient_sbp(param.sbp)``, bucketing all-reduce-only routes and
-    single reduce-scatters.
-
-    A bucket that fills during backward starts its all-reduce at once (asynchronously) and backward goes on;
-    at the end of backward the remaining buckets start, then every bucket is waited for in the order it
-    started (the same on every rank) and its gradients take their reduced values. A reduce-scatter bucket
-    runs (synchronously) when it is started, in the same order.
-    """
+    """Boxes each accumulated gradient to ``gradient_sbp(param.sbp)``. Routes of only all-reduces (data
+    parallelism) or one reduce-scatter (a partial gradient of a split parameter: ZeRO / FSDP style) go through
+    buckets of up to ``bucket_mb`` MiB per (placement, dtype, route), one collective per bucket. A bucket that
+    fills during backward starts its all-reduce at once (asynchronously) and backward goes on; at the end of
+    backward the remaining buckets start, then every bucket is waited for in the order it started (the same on
+    every rank) and its gradients take their reduced values. A reduce-scatter bucket runs (synchronously) when
+    it is started, in the same order."""
 
     def __init__(self, params: list[nn.Parameter], bucket_mb: float):
         self.bucket_bytes = int(bucket_mb * 2**20)
@@ -61,8 +51,7 @@ class GradientReducer:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_all)
 
     def _start(self, key) -> None:
-        """Start the first all-reduce of bucket ``key``; the later axes (N-D placements) run when finished.
-        A reduce-scatter bucket runs now."""
+        """Start bucket ``key``: its first all-reduce (later axes run when it finishes), or its reduce-scatter."""
         params = self.buckets.pop(key, [])
         if not params:
             return
@@ -96,17 +85,14 @@ class GradientReducer:
 
 
 def _reduce_scatter_bucket(params: list, placement, axis: int, src) -> None:
-    """One reduce-scatter on ``axis`` for the partial gradients of ``params``, each to its own split.
-
-    Each gradient is cut along its target's split dim into the axis' parts (uneven ones included); the buffer
-    holds, for each coordinate along the axis in turn, the parts that coordinate keeps, of every gradient,
-    padded to the longest such segment. After the reduce-scatter, this rank's segment is cut back into its
-    parts of each gradient."""
+    """One reduce-scatter on ``axis`` for the partial gradients of ``params``, each to its own split: each is cut
+    along its target's split dim into the axis' parts (uneven ones included); the buffer holds, for each
+    coordinate along the axis in turn, the parts it keeps of every gradient, padded to the longest such segment.
+    After the reduce-scatter, this rank's segment is cut back into its parts of each gradient."""
     coord = placement.local_coord()
     if coord is None:  # not a rank of the placement: nothing held, nothing to reduce
         for p in params:
-            target = gradient_sbp(p.sbp)
-            meta = p.grad._meta.with_sbp(target)
+            meta = p.grad._meta.with_sbp(gradient_sbp(p.sbp))
             p.grad = GlobalTensor(p.grad._local.new_empty(meta.local_shape(coord)), meta)
         return
     n = placement.shape[axis]

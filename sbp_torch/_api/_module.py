@@ -1,12 +1,9 @@
-"""``nn.Module.to_global``: lay out a model's parameters and buffers; their gradients are reduced by
-``GradientReducer``.
+"""``nn.Module.to_global``: lay out a model's parameters and buffers; ``GradientReducer`` reduces their gradients.
 
 A module's tensors are taken as the *full logical values* (every rank built the same model; where ranks
-differ, the values of the placement's first rank win). So ``split(0)`` keeps one balanced part per rank of
-each parameter, whatever its size. This differs on purpose from ``Tensor.to_global`` on a local tensor, where
-a split tensor is *one part* of a bigger logical tensor: a model is written for the logical shapes.
-
-"""
+differ, the values of the placement's first rank win), so ``split(0)`` keeps one balanced part per rank of
+each parameter. This differs on purpose from ``Tensor.to_global`` on a local tensor, where a split tensor is
+*one part* of a bigger logical tensor: a model is written for the logical shapes (docs/training.md)."""
 
 import fnmatch
 from collections.abc import Mapping
@@ -31,11 +28,8 @@ def sbp_for(name: str, tensor: torch.Tensor, sbp, placement: Placement):
     if callable(sbp) and not isinstance(sbp, Mapping):
         chosen = sbp(name, tensor)
     elif isinstance(sbp, Mapping):
-        matches = [p for p in sbp if fnmatch.fnmatchcase(name, p)]
-        if matches:
-            chosen = sbp[max(matches, key=_pattern_specificity)]  # max keeps the first of equals: dict order
-        else:
-            chosen = (broadcast,) * placement.ndim
+        matches = [p for p in sbp if fnmatch.fnmatchcase(name, p)]  # in dict order; max keeps the first of equals
+        chosen = sbp[max(matches, key=_pattern_specificity)] if matches else (broadcast,) * placement.ndim
     else:
         chosen = sbp
     try:
@@ -60,7 +54,6 @@ def module_to_global(module: nn.Module, placement: Placement, sbp=None, *, bucke
     """Lay out every parameter and buffer of ``module`` on ``placement``, in place; returns ``module``.
 
     Args:
-        placement: where the tensors live.
         sbp: one SBP (or tuple, one per placement axis) for every tensor; or a dict from glob patterns on
             the dotted tensor names (``"blocks.*.mlp.up.weight"``) to SBPs, where the most specific match wins
             and unmatched tensors are broadcast; or a callable ``(name, tensor) -> sbp``. Default: broadcast.

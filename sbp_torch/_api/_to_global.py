@@ -2,8 +2,7 @@
 
 From local tensors, each rank's tensor is its part of the logical tensor. Uneven parts are allowed: they are
 agreed on (every rank learns every part's shape before any data moves), assembled and re-cut into the
-balanced parts that a global tensor holds, and the gradient comes back cut like the parts that went in.
-"""
+balanced parts that a global tensor holds, and the gradient comes back cut like the parts that went in."""
 
 import torch
 import torch.distributed as dist

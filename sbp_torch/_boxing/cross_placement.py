@@ -1,25 +1,15 @@
-"""Boxing across placements: move a global tensor to another placement and SBP with point-to-point sends.
+"""Boxing across placements: move a global tensor to another placement and SBP with point-to-point sends
+(docs/boxing.md, "Across placements"). ``cross_target`` checks the target from the arguments alone;
+``plan_cross`` builds a plan as data (``CrossPlan``) and ``run_cross`` executes it:
 
-``cross_target`` checks the target from the arguments alone. A plan is data (``CrossPlan``, from
-``plan_cross``), built in three steps and executed by ``run_cross``:
-
-1. **Reduce at the source, or at the destination.** Each partial axis of the source is either reduced
-   inside the source placement by ordinary boxing (``plan_boxing``), to a split of some dim
-   (reduce-scatter) or to broadcast (all-reduce), or kept: its terms then travel and are combined by its op
-   where they arrive (allowed when every kept axis has the same op). Every choice is costed and the one
-   that sends the fewest bytes in all wins; on a tie the first in ``_reductions`` order, which reduces at
-   the source (its receivers get one copy, not one per term). Reducing at the source wins when the
-   placements are disjoint; keeping the terms can win when they overlap (a rank already holds its own term).
-2. **Pieces** (``pieces.py``). Each source rank now holds a box of the logical tensor, or of one partial term of it (the
-   same on every rank along a broadcast axis), and each destination rank needs its box under the target
-   SBP. A piece is the intersection of a source box and a destination box. A destination rank that holds
-   the source box itself takes the piece locally; otherwise one of the box's holders sends it, the holders
-   taking turns.
-3. **Partial targets.** Only the coordinate 0 of every partial axis of the target receives the value. The
-   others hold the identity of an op and receive nothing (see ``fill_of``).
-
-Ranks in neither placement have no piece and no step: they return at once.
-"""
+1. Each partial axis of the source is reduced inside the source placement (``plan_boxing``: to a split or to
+   broadcast), or kept: its terms travel and are combined by its op where they arrive (kept axes share one op).
+   The choice that sends the fewest bytes in all wins; on a tie the first in ``_reductions`` order, which
+   reduces at the source (its receivers get one copy, not one per term).
+2. Pieces (``pieces.py``): the boxes held at the source (of the value or of one partial term) intersected with
+   the boxes needed at the destination.
+3. Only the coordinate 0 of every partial axis of the target receives the value; the others hold the identity
+   of an op (see ``fill_of``). Ranks in neither placement have no piece and no step: they return at once."""
 
 import itertools
 from dataclasses import dataclass
@@ -61,17 +51,16 @@ class CrossPlan:
         return self.reduce.bytes_sent + self.bytes_moved
 
     def __str__(self) -> str:
-        def layout(meta: GlobalMeta, sbp) -> str:
-            return f"{meta.placement.ranks} ({', '.join(map(repr, sbp))})"
+        def layout(meta: GlobalMeta) -> str:
+            return f"{meta.placement.ranks} ({', '.join(map(repr, meta.sbp))})"
 
-        head = (
-            f"{layout(self.src, self.src.sbp)} -> {layout(self.dst, self.dst.sbp)} for {tuple(self.src.shape)} "
-            f"{self.src.dtype}: {self.bytes_sent} B sent"
-        )
-        lines = [head]
+        lines = [
+            f"{layout(self.src)} -> {layout(self.dst)} for {tuple(self.src.shape)} {self.src.dtype}: "
+            f"{self.bytes_sent} B sent"
+        ]
         if self.reduce.steps:
             reduced = ", ".join(map(repr, self.reduce.dst_sbp))
-            lines.append(f"  reduce on {layout(self.src, self.src.sbp)} -> ({reduced})")
+            lines.append(f"  reduce on {layout(self.src)} -> ({reduced})")
             lines += [f"    {s!r}" for s in self.reduce.steps]
         if self.combine:
             lines.append(f"  partial terms travel; each receiver combines its pieces by {self.combine}")
@@ -81,12 +70,10 @@ class CrossPlan:
 
 
 def cross_target(src: GlobalMeta, p: Placement, sbp) -> GlobalMeta:
-    """The metadata of a tensor of ``src`` moved to placement ``p`` with ``sbp`` (None: ``src.sbp``).
-
-    Checked from the arguments alone, so that every rank raises alike before any data moves: TypeError when
-    ``p`` is not a placement, ValueError for another device type, and ``normalize_sbp``'s errors for an SBP
-    that does not fit ``p``, naming both placements.
-    """
+    """The metadata of a tensor of ``src`` moved to placement ``p`` with ``sbp`` (None: ``src.sbp``), checked from
+    the arguments alone so that every rank raises alike before any data moves: TypeError when ``p`` is not a
+    placement, ValueError for another device type, ``normalize_sbp``'s errors (naming both placements) for an
+    SBP that does not fit ``p``."""
     if not isinstance(p, Placement):
         raise TypeError(f"to_global: placement must be an sbp_torch.placement, got {type(p).__name__}")
     if p.type != src.placement.type:
@@ -110,16 +97,12 @@ def _reductions(meta: GlobalMeta) -> list[tuple[SbpType, ...]]:
     return [r for r in itertools.product(*choices) if len({s.op for s in r if isinstance(s, Partial)}) <= 1]
 
 
-def _plan_via(src: GlobalMeta, dst: GlobalMeta, reduced: tuple[SbpType, ...]) -> CrossPlan:
-    return CrossPlan(src, dst, plan_boxing(src, reduced), pieces_between(src.with_sbp(reduced), dst))
-
-
 @lru_cache(maxsize=1024)
 def plan_cross(src: GlobalMeta, dst: GlobalMeta) -> CrossPlan:
-    """The plan that moves a tensor of ``src`` to ``dst`` (same shape and dtype, validated SBPs), choosing the
-    reduction (or kept partial terms) that sends the fewest bytes in all, the first in ``_reductions`` order
-    on a tie."""
-    return min((_plan_via(src, dst, reduced) for reduced in _reductions(src)), key=lambda p: p.bytes_sent)
+    """The plan that moves a tensor of ``src`` to ``dst`` (same shape and dtype, validated SBPs) sending the
+    fewest bytes in all, the first in ``_reductions`` order on a tie."""
+    plans = (CrossPlan(src, dst, plan_boxing(src, r), pieces_between(src.with_sbp(r), dst)) for r in _reductions(src))
+    return min(plans, key=lambda p: p.bytes_sent)
 
 
 _COMBINE = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}

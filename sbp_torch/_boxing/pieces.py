@@ -1,12 +1,9 @@
 """Pieces: the boxes of a logical tensor that ranks give each other to change its layout point to point.
 
 A layout gives each rank a box of the logical tensor (or of one partial term of it). Moving to another layout
-(on the same placement or another) is a set of pieces: the intersections of the boxes held with the boxes
-needed. A rank that holds what it needs copies it locally; otherwise one of the holders sends it, the
-holders taking turns. ``send_pieces`` runs a set of pieces with point-to-point sends. Used by boxing across
-placements (``cross_placement.py``) and, on one N-D placement, by the planner when sending the pieces moves
-fewer bytes than any sequence of collectives (``plan.py``: a swap such as ``(S0, B) -> (B, S0)``).
-"""
+is a set of pieces: the intersections of the boxes held with the boxes needed. A rank that holds what it needs
+copies it locally; otherwise one of the holders sends it, the holders taking turns. Used across placements
+(``cross_placement.py``) and by the planner where pieces beat collectives (``plan.py``: ``(S0, B) -> (B, S0)``)."""
 
 import math
 from collections import Counter
@@ -65,12 +62,9 @@ def intersection(a: Box, b: Box) -> Box | None:
 def fill_of(meta: GlobalMeta, coord: tuple[int, ...]):
     """What the part at ``coord`` of a target layout holds when it receives nothing: None when it receives the
     value (coordinate 0 on every partial axis), else the identity of the op of the *last* partial axis on
-    which the coordinate is not 0.
-
-    Why the last: partial axes nest like splits. Along the first such axis a the block at ``coord[a]`` must
-    reduce to op_a's identity under the later axes; inside that block the coordinate 0 of the later axes holds
-    it and every other part holds its own later axis' identity, recursively.
-    """
+    which the coordinate is not 0. Why the last: partial axes nest like splits. Along the first such axis a
+    the block at ``coord[a]`` must reduce to op_a's identity under the later axes; inside that block the
+    coordinate 0 of the later axes holds it and every other part holds its own later axis' identity, recursively."""
     nonzero = [s for s, c in zip(meta.sbp, coord) if isinstance(s, Partial) and c != 0]
     return reduction_identity(nonzero[-1].op, meta.dtype) if nonzero else None
 

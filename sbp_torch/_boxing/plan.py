@@ -1,19 +1,14 @@
-"""N-D boxing plans: which 1-D transitions to run on which axes, in which order, and what they cost.
+"""N-D boxing plans: which 1-D transitions run on which axes, in which order, at what cost (docs/boxing.md).
 
-A plan is data (``BoxingPlan``): it can be printed, costed and cached, and ``run.py`` executes it.
+A plan is data (``BoxingPlan``): it can be printed, costed and cached, and ``run.py`` executes it. A transition
+on axis ``a`` runs inside the groups of ranks that differ only on ``a``; that is valid only if the later axes
+commute with it: no later axis may split a dim it splits or gathers, or reduce with another op than it does.
+Within that rule the planner finds the cheapest sequence (Dijkstra's algorithm over the N-D layouts).
 
-On an N-D placement a transition on axis ``a`` works inside the groups of ranks that differ only in their
-coordinate on ``a``. That is valid only if the later axes (which cut the tensor further) commute with it:
-a later axis must not split a dim that the transition splits or gathers, and a later partial axis must not
-reduce with another op than the one the transition reduces with. Within that rule the planner searches for
-the cheapest sequence of 1-D transitions (Dijkstra's algorithm over the N-D layouts; see docs/boxing.md).
-
-Collectives move whole axes; some N-D changes need less. In ``(S0, B) -> (B, S0)`` on a 2x2 mesh two ranks
-already hold what they need and the other two swap halves, while any sequence of collectives gathers first.
-So the search has one more kind of step: from the source, or the source with its partial axes reduced by
-collectives, to a goal without partial axes, send each rank just the pieces it lacks (``pieces.py``), costed
-as its bytes plus a latency per message.
-"""
+Collectives move whole axes, and some changes need less: in ``(S0, B) -> (B, S0)`` on 2x2 two ranks swap
+halves, while any collectives gather first. So one more kind of step sends each rank just the pieces it lacks
+(``pieces.py``): from the source, or the source with its partial axes reduced, to a goal without partial axes,
+costed as its bytes plus a latency per message."""
 
 import heapq
 import math
@@ -27,11 +22,10 @@ from .transitions import AxisView, transition
 POINT_TO_POINT = "send/recv"
 
 
-# What one collective call costs beyond the bytes it moves, expressed in bytes per participating rank: its
-# latency at a typical bandwidth (about 50 us at a few GB/s for gloo on one host; NCCL's lower latency meets
-# higher bandwidth). It makes plans and signature choices prefer fewer, larger collectives where the bytes are
-# about equal (an all-reduce rather than a reduce-scatter now and an all-gather later), while large tensors
-# are still planned by their bytes.
+# What one collective call costs beyond its bytes, in bytes per participating rank: its latency at a typical
+# bandwidth (about 50 us at a few GB/s for gloo on one host; NCCL's lower latency meets higher bandwidth). Plans
+# and signature choices then prefer fewer, larger collectives where the bytes are about equal (an all-reduce
+# rather than a reduce-scatter now and an all-gather later); large tensors are still planned by their bytes.
 LATENCY_BYTES_PER_RANK = 64 * 1024
 
 
@@ -39,7 +33,6 @@ LATENCY_BYTES_PER_RANK = 64 * 1024
 class BoxingStep:
     """One 1-D transition on one placement axis; ``bytes_sent`` is summed over every rank of the placement,
     ``cost`` adds the latency of the collective (``LATENCY_BYTES_PER_RANK`` for each rank), 0 for a local step.
-
     The point-to-point step (``collective == POINT_TO_POINT``) changes every axis at once: ``axis`` is -1,
     ``src`` and ``dst`` are whole SBP tuples, ``pieces`` what each rank sends, and ``cost`` adds the latency
     once per message."""
@@ -72,8 +65,7 @@ class BoxingPlan:
 
     @property
     def cost(self) -> int:
-        """Bytes sent plus the latency of each collective, in bytes: what the planner and the signature
-        choice minimise."""
+        """Bytes sent plus each collective's latency, in bytes: what the planner and the signature choice minimise."""
         return sum(s.cost for s in self.steps)
 
     def __str__(self) -> str:
@@ -104,10 +96,7 @@ def _conflicts(later: SbpType, dims: set[int], reduce_op: str | None) -> bool:
 def axis_view(meta: GlobalMeta, axis: int, coord: tuple[int, ...]) -> AxisView:
     """What a transition on ``axis`` needs to know about a tensor of ``meta`` at ``coord``."""
     _, extent = meta.region(coord, axis)
-    local_numel = 1
-    for n in meta.local_shape(coord):
-        local_numel *= n
-    return AxisView(tuple(extent), local_numel, meta.placement.shape[axis], coord[axis])
+    return AxisView(tuple(extent), math.prod(meta.local_shape(coord)), meta.placement.shape[axis], coord[axis])
 
 
 def _candidates(meta: GlobalMeta, dst: tuple[SbpType, ...]) -> list[SbpType]:
@@ -170,11 +159,8 @@ def _point_to_point(at: GlobalMeta, goal: tuple) -> BoxingStep:
 @lru_cache(maxsize=4096)
 def plan_boxing(meta: GlobalMeta, dst_sbp: tuple[SbpType, ...]) -> BoxingPlan:
     """The plan that takes a global tensor of ``meta`` to ``dst_sbp`` on the same placement (both validated):
-    the cheapest sequence of steps (cost: bytes plus latency; then number of steps), found by Dijkstra's
-    search over the N-D layouts. A step moves one axis by a row of the 1-D table and must commute with the
-    later axes, or sends the pieces point to point from the source, or the source with its partial axes
-    reduced, to a goal without partial axes. Neighbours are tried in a fixed order, so every rank finds the
-    same plan."""
+    the cheapest sequence of steps (cost: bytes plus latency; then number of steps), by the search that the
+    module docstring describes. Neighbours are tried in a fixed order, so every rank finds the same plan."""
     start, goal = tuple(meta.sbp), tuple(dst_sbp)
     direct = _direct(meta, start, goal)
     if direct is not None:

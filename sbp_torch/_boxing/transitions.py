@@ -1,7 +1,5 @@
-"""The 1-D boxing table: for each pair of SBP kinds, the collective that moves the fewest bytes.
-
-Each row says which collective a transition on one placement axis uses, how many bytes one rank sends for
-it, and how to run it on this rank's local part. N-D boxing (``plan.py``) is a sequence of these rows.
+"""The 1-D boxing table: for each pair of SBP kinds, the collective that moves the fewest bytes on one placement
+axis; N-D boxing (``plan.py``) is a sequence of these rows.
 
 | from \\ to  | B                   | S(j)                      | P(op)                          |
 |------------|---------------------|---------------------------|--------------------------------|
@@ -10,8 +8,7 @@ it, and how to run it on this rank's local part. N-D boxing (``plan.py``) is a s
 | P(op)      | all-reduce          | reduce-scatter            | (planned as P -> S(k) -> P(op2)) |
 
 A change of partial op is not a row: the planner routes it through a split (reduce-scatter, then a local fill),
-which sends half the bytes of an all-reduce.
-"""
+which sends half the bytes of an all-reduce."""
 
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,12 +22,9 @@ from .._layout import Broadcast, Partial, SbpType, Split, balanced_part, balance
 
 @dataclass(frozen=True)
 class AxisView:
-    """What one transition needs to know about the tensor along its axis, on one rank.
-
-    ``extent`` is the region's size per tensor dim before this axis' split is applied (the tensor that the
-    axis group shares), ``local_numel`` this rank's element count before the transition, ``parts`` the
-    axis length and ``index`` this rank's coordinate on it.
-    """
+    """What one transition needs to know about the tensor along its axis, on one rank: ``extent``, the region's
+    size per tensor dim before this axis' split (the tensor that the axis group shares); ``local_numel``, this
+    rank's element count before the transition; ``parts``, the axis length; ``index``, this rank's coordinate."""
 
     extent: tuple[int, ...]
     local_numel: int

@@ -1,6 +1,5 @@
-"""Communication on ``torch.distributed``: the process groups of placement axes, collectives along one axis
-(uneven parts included), point-to-point exchanges, and the metadata agreement that lets every rank raise the
-same error before any data moves."""
+"""Communication on ``torch.distributed``: process groups per placement axis, collectives along one axis (uneven
+parts included), point-to-point exchanges, and the metadata agreement that lets every rank raise alike."""
 
 from ._agreement import agree
 from ._collectives import (

@@ -1,8 +1,5 @@
-"""Check that every rank passed the same metadata, before any data moves.
-
-Mismatched placements, SBPs or dtypes would make ranks issue different collectives and hang. One exchange over
-the default process group lets every rank see what the others passed, so all of them raise the same error.
-"""
+"""Check that every rank passed the same metadata, before any data moves: mismatched placements, SBPs or dtypes
+would make ranks issue different collectives and hang. One exchange over the world lets all raise alike."""
 
 import torch.distributed as dist
 
@@ -10,15 +7,9 @@ from ._collectives import CollectiveError
 
 
 def agree(what: str, agreed, local_shape: tuple[int, ...], check: bool) -> list[tuple[int, ...]]:
-    """All-gather ``(agreed, local_shape)`` over the world; return every rank's shape.
-
-    Args:
-        what: the call being checked, for the error message.
-        agreed: a picklable value that every rank must have passed identically (only compared when ``check``).
-        local_shape: this rank's shape, which may differ between ranks.
-    Raises:
-        ValueError on every rank, naming the ranks that disagree with rank 0.
-    """
+    """All-gather ``(agreed, local_shape)`` over the world; return every rank's ``local_shape`` (these may
+    differ). When ``check``, raise ValueError on every rank if some rank's ``agreed`` (a picklable value) differs
+    from rank 0's, naming those ranks; ``what`` names the checked call in messages."""
     gathered = [None] * dist.get_world_size()
     try:
         dist.all_gather_object(gathered, (agreed, tuple(local_shape)))

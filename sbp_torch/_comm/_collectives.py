@@ -1,10 +1,7 @@
-"""Collectives along one placement axis, in the axis' coordinate order, for uneven parts too; and the
-point-to-point exchange that boxing across placements uses.
-
-Every collective takes an ``AxisGroup`` and works on ``torch.distributed`` only. Where gloo lacks an uneven
-collective (all-gather of unequal parts), the same bytes go through ``all_to_all_single``. A failing or
-timed-out collective raises ``CollectiveError`` saying what was being waited for.
-"""
+"""Collectives along one placement axis (an ``AxisGroup``), in the axis' coordinate order, uneven parts included,
+and the point-to-point exchange of boxing across placements. Where gloo lacks an uneven collective (all-gather
+of unequal parts), the same bytes go through ``all_to_all_single``. A failing or timed-out collective raises
+``CollectiveError`` saying what was being waited for."""
 
 import math
 
@@ -123,11 +120,10 @@ def _all_gather(x: torch.Tensor, dim: int, sizes: list[int], group: AxisGroup) -
 
 
 def _reduce_scatter(x: torch.Tensor, op: str, dim: int, sizes: list[int], group: AxisGroup) -> torch.Tensor:
-    """Reduce ``x`` over the group with ``op`` and keep this rank's part ``sizes[index]`` along ``dim``.
-
-    One tensor-form reduce-scatter: gloo runs the list form as one all-reduce per part. Unequal parts are
-    padded to the largest. The padding rows are left as they are: a reduction is element-wise, so whatever
-    they hold only reaches rows that are dropped. Equal parts of dim 0 in group order need no buffer at all."""
+    """Reduce ``x`` over the group with ``op`` and keep this rank's part ``sizes[index]`` along ``dim``, by one
+    tensor-form reduce-scatter (gloo runs the list form as one all-reduce per part). Unequal parts are padded to
+    the largest, the padding left as it is: a reduction is element-wise, so whatever it holds only reaches rows
+    that are dropped. Equal parts of dim 0 in group order need no buffer at all."""
     rows = x.movedim(dim, 0)
     largest = max(sizes)
     if dim == 0 and min(sizes) == largest and group.in_rank_order and x.is_contiguous():
@@ -138,10 +134,7 @@ def _reduce_scatter(x: torch.Tensor, op: str, dim: int, sizes: list[int], group:
             send[slot * largest : slot * largest + part.shape[0]].copy_(part)
     out = rows.new_empty((largest, *rows.shape[1:]))
     _run(
-        f"reduce-scatter({op})",
-        group,
-        x,
-        lambda: _reduce_scatter_even(out, send, _REDUCE_OPS[op], group.process_group),
+        f"reduce-scatter({op})", group, x, lambda: _reduce_scatter_even(out, send, _REDUCE_OPS[op], group.process_group)
     )
     return out[: sizes[group.index]].movedim(0, dim).contiguous()  # as the global stride says
 
@@ -217,12 +210,9 @@ all_to_all = _keeping_dtype(_all_to_all)
 def send_recv(
     sends: list[tuple[torch.Tensor, int, int]], recvs: list[tuple[tuple[int, ...], int, int]], like: torch.Tensor
 ) -> list[torch.Tensor]:
-    """Point-to-point over the default group: send each ``(tensor, to rank, tag)`` and receive each
-    ``(shape, from rank, tag)`` as a tensor of ``like``'s dtype and device; returns the received tensors.
-
-    Everything is posted before anything is waited for, so the order of the lists cannot deadlock. A rank with
-    nothing to send or receive returns at once. Dtypes gloo lacks travel as on the collectives.
-    """
+    """Point-to-point over the default group: send each ``(tensor, to rank, tag)``, receive and return each
+    ``(shape, from rank, tag)`` as a tensor of ``like``'s dtype and device. Everything is posted before anything
+    is waited for, so the order of the lists cannot deadlock. Dtypes gloo lacks travel as on the collectives."""
     ops = [dist.P2POp(dist.isend, _on_wire(t).contiguous(), peer, tag=tag) for t, peer, tag in sends]
     buffers = [_on_wire(like.new_empty(shape)) for shape, _, _ in recvs]
     ops += [dist.P2POp(dist.irecv, buf, peer, tag=tag) for buf, (_, peer, tag) in zip(buffers, recvs)]

@@ -1,17 +1,13 @@
-"""Process groups for the axes of a placement, created once per set of ranks and cached.
+"""Process groups for the axes of a placement, created once per set of ranks and cached (docs/concepts.md).
 
 ``torch.distributed.new_group`` must be entered by every rank of the world in the same order (even with
-``use_local_synchronization`` the group's name depends on how many groups each rank made before). So the
-groups of a placement are created by ``ensure_groups``, which runs where every rank takes part: when a global
-tensor is first made on the placement (``to_global`` from local tensors and the creation functions). Since
-every rank runs the same program, every rank meets new rank sets in the same order and the caches stay equal.
+``use_local_synchronization`` a group's name depends on how many groups each rank made before), so
+``ensure_groups`` runs where every rank takes part: when a global tensor is first made on a placement.
 
-The caches hold references to torch process groups. They are dropped when the default group is destroyed
-(``destroy_process_group`` is wrapped for that, and also collects garbage first, so that tensors that
-finished collectives still reference are freed while gloo is alive), at interpreter exit, and whenever the
-default group is replaced. A gloo group or its work objects freed during interpreter teardown can abort the
-process ("terminate called without an active exception"), which is what this avoids.
-"""
+The caches are dropped when the default group is destroyed or replaced, and at exit, because a gloo group or
+its work objects freed during interpreter teardown can abort the process ("terminate called without an active
+exception"). The wrapped ``destroy_process_group`` also collects garbage first, so that tensors that finished
+collectives still reference are freed while gloo is alive."""
 
 from __future__ import annotations
 
@@ -64,11 +60,9 @@ dist.destroy_process_group = _forgetting_groups(dist.destroy_process_group)
 
 @dataclass(frozen=True)
 class AxisGroup:
-    """The ranks that a collective along one placement axis runs on, seen from this rank.
-
-    ``ranks`` are in axis (coordinate) order and ``index`` is this rank's position among them. Collectives
-    work in coordinate order; torch orders group ranks by global rank, which ``coord_of_group_rank`` maps.
-    """
+    """The ranks that a collective along one placement axis runs on, seen from this rank: ``ranks`` in axis
+    (coordinate) order, ``index`` this rank's position among them. Collectives work in coordinate order; torch
+    orders group ranks by global rank, which ``coord_of_group_rank`` maps."""
 
     ranks: tuple[int, ...]
     index: int

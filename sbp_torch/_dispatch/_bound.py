@@ -1,13 +1,8 @@
-"""An op call bound to its schema: where its global tensors are, which of them it reads and writes, its
-arguments by name, and its cache key.
-
-A call is keyed on every call (``call_key``, the hit path of the call cache), and bound (``BoundCall``)
-only when its key is new: every later step of a first call (the checks, the decision, the plan, the
-fallback) reads the one ``BoundCall``. A plan keeps the call's slots, so that a repeated call finds its
-global tensors without binding again (``at``, ``substitute``).
-
-A slot is ``(position or keyword, index in a list or None)``: aten arguments nest at most one list deep.
-"""
+"""An op call bound to its schema: where its global tensors are, which it reads and writes, its arguments by name, its
+cache key. Every call is keyed (``call_key``: the cache's hit path), but bound (``BoundCall``) only when its key is new;
+every later step of that first call reads the one ``BoundCall``. A plan keeps the slots, so a repeated call finds its
+global tensors without binding (``at``, ``substitute``). A slot is ``(position or keyword, index in a list or None)``:
+aten arguments nest at most one list deep."""
 
 import itertools
 from functools import cached_property
@@ -33,10 +28,9 @@ def _key_of(value, is_scalar: bool):
 
 
 def call_key(func, schema: OpSchema, args, kwargs) -> tuple:
-    """The call's cache key: the op (by id; a cache entry keeps the op to check it), global tensors by
-    metadata, plain tensors by shape, dtype and device, Scalar-typed numbers by type (so a learning rate that
-    changes every step keys alike), everything else by value. It may be unhashable (a slice, say): lookups
-    catch that."""
+    """The call's cache key: the op by id (an entry keeps the op to check it), global tensors by metadata, plain
+    tensors by shape, dtype and device, Scalar-typed numbers by type (a changing learning rate keys alike), the
+    rest by value. It may be unhashable (a slice, say): lookups catch that."""
     positions = schema.scalar_positions
     key = (id(func), *[_key_of(a, i in positions) for i, a in enumerate(args)])
     if kwargs:
@@ -46,8 +40,7 @@ def call_key(func, schema: OpSchema, args, kwargs) -> tuple:
 
 
 def find_tensors(args, kwargs) -> tuple[tuple, tuple, list]:
-    """(slots, tensors, plain): where each global tensor argument is and the tensor, in argument order; and
-    the plain tensors with dims among the arguments."""
+    """(slots, tensors, plain): each global tensor argument's slot and itself, in order; the plain tensors with dims."""
     slots, tensors, plain = [], [], []
     for where, value in itertools.chain(enumerate(args), kwargs.items()):
         for index, v in enumerate(value) if isinstance(value, (list, tuple)) else [(None, value)]:
@@ -92,12 +85,9 @@ def by_name(schema: OpSchema, args, kwargs) -> dict:
 
 
 class BoundCall:
-    """One op call bound to its schema (see the module docstring).
-
-    ``slots`` and ``tensors`` are every global tensor argument and where it is, in argument order (a tensor
-    passed twice appears twice: each occurrence gets its own layout); ``inputs``, ``outs`` and ``written``
-    index them; ``plain`` holds the plain tensors with dims among the arguments.
-    """
+    """``slots`` and ``tensors``: every global tensor argument and where it is, in argument order (a tensor passed
+    twice appears twice: each occurrence gets its own layout), which ``inputs``, ``outs`` and ``written`` index;
+    ``plain``: the plain tensors with dims among the arguments."""
 
     def __init__(self, func, args, kwargs, key=None):
         self.func, self.args, self.kwargs = func, tuple(args), dict(kwargs)
@@ -125,8 +115,7 @@ class BoundCall:
 
     @cached_property
     def written(self) -> tuple[int, ...]:
-        """Indices of the tensors the op writes into: the schema's, and ``UNMARKED_WRITES`` when its flag is
-        on (batch norm's running statistics in training)."""
+        """Indices of the tensors the op writes into: the schema's, and ``UNMARKED_WRITES`` when its flag is on."""
         names = self.schema.written
         unmarked = self.schema.unmarked
         if unmarked is not None and self.by_name.get(unmarked[0]):

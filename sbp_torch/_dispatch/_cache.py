@@ -1,13 +1,9 @@
-"""A bounded least-recently-used cache with the interface of ``functools.lru_cache``'s statistics.
+"""A bounded least-recently-used cache with ``functools.lru_cache``'s statistics, for the dispatcher's call plans and
+the frontend's learnt local calls, which a new sequence length every step would otherwise grow without limit.
 
-The dispatcher keeps one of these for its call plans, the frontend one for its learnt local calls. A long
-run with changing shapes (a new sequence length every step) would otherwise grow them without limit.
-
-A hit is one dictionary lookup and a stamp from a counter: the entries are not reordered on every hit (an
-ordered dictionary's reordering hashes the key a second time, which doubled the cost of a hit). When an
-insertion passes the bound, the least recently stamped eighth of the entries goes at once, so the cache
-never holds more than its bound and the sorting is paid once per many insertions.
-"""
+A hit is one dictionary lookup and a stamp from a counter (reordering an ordered dictionary on a hit hashes the key
+again, doubling a hit's cost). An insertion past the bound drops the least recently stamped eighth of the entries at
+once, so the cache never exceeds its bound and sorts once per many insertions."""
 
 import itertools
 import os

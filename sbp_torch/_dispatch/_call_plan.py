@@ -1,11 +1,6 @@
-"""A call plan: a decision compiled for one call key, and how it runs.
-
-The plan says where the global tensors sit among the arguments, the boxing plan of each, and what to
-return; a repeated call runs it without binding, searching or planning anything. Running it: box each global
-input to its decided layout (nothing when it already has it), run the op (or the signature's local function)
-on the local parts, and wrap the outputs with the decided metadata; in-place and ``out=`` ops return the
-tensors they wrote. Ranks outside the placement run no op: they return empty parts.
-"""
+"""A call plan: a decision compiled for one call key (where the global tensors sit among the arguments, the boxing plan
+of each, what to return), which a repeated call runs without binding, searching or planning. In-place and ``out=`` ops
+return the tensors they wrote; ranks outside the placement run no op: they return empty parts."""
 
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,15 +17,8 @@ from ._decide import Decision
 from ._schema import op_schema
 
 
-def _reduce_along(placement) -> Callable:
-    """``(tensor, op, axis) -> tensor`` all-reduced along ``axis`` of ``placement``, for local functions."""
-    return lambda x, op, axis: comm.all_reduce(x, op, comm.axis_group(placement, axis))
-
-
 @dataclass(frozen=True)
 class CallPlan:
-    """A decision compiled for one call key (see the module docstring)."""
-
     func: object
     decision: Decision
     placement: object
@@ -41,15 +29,14 @@ class CallPlan:
     coord: tuple | None  # this rank's coordinate; None outside the placement
     local_shapes: tuple  # this rank's part shape of each output
     local_inputs: tuple  # GlobalMeta of each input in its decided layout (what a local function is told)
-    reduce_along: Callable
+    reduce_along: Callable  # (tensor, op, axis) -> tensor all-reduced along that placement axis, for local functions
     # The common case, run by ``_run_simple``: globals only as positional arguments, none boxed, no local
     # function, a member rank, and one new output or the written self returned.
     simple: bool
 
     @property
     def as_is(self) -> bool:
-        """Whether the plan runs the op on the local parts unchanged: no boxing, no local function, a member
-        rank."""
+        """Whether the op runs on the local parts unchanged: no boxing, no local function, a member rank."""
         return (
             self.coord is not None
             and self.decision.local_fn is None
@@ -98,7 +85,7 @@ def compile_plan(bound: BoundCall, decision: Decision) -> CallPlan:
         coord,
         tuple(m.local_shape(coord) for m in decision.outputs),
         tuple(local_inputs),
-        _reduce_along(placement),
+        lambda x, op, axis: comm.all_reduce(x, op, comm.axis_group(placement, axis)),
         simple,
     )
 

@@ -1,14 +1,7 @@
-"""Choosing an op's N-D signature: the candidate that moves the fewest bytes, decided once per call shape.
-
-For a call, ``decide`` builds every N-D signature (the product over placement axes of the rule's 1-D
-signatures), drops the invalid ones, costs each as the bytes its input boxing would move (the boxing
-planner's figure, summed over ranks), and keeps the cheapest; among equal costs, the one that changes
-fewest inputs' layouts, then the first in the rule's order. Nothing here depends on hashing order, object
-ids or timing, so every rank, running the same program, decides the same.
-
-The decision is cached on the op, the inputs' global metadata and the static arguments (numbers passed as
-``Scalar`` count by type only, so a changing learning rate does not miss the cache).
-"""
+"""Choosing an op's N-D signature, once per call shape: of the products over placement axes of the rule's 1-D
+signatures, the valid one whose input boxing moves the fewest bytes (the boxing planner's figure, summed over ranks); on
+equal costs, the one changing fewest inputs' layouts, then the rule's order (``docs/signatures.md``). Nothing here
+depends on hashing order, object ids or timing, so every rank, running the same program, decides the same."""
 
 import itertools
 from dataclasses import dataclass
@@ -23,12 +16,8 @@ from ._outputs import UnknownOutputs, infer_outputs
 
 @dataclass(frozen=True)
 class Decision:
-    """How to run one call: the layout each global input is boxed to, and what the outputs are.
-
-    ``outputs`` holds a GlobalMeta per tensor output (flattened order) and ``local_fn`` the rule's local
-    function, if the chosen signature names one; ``cost`` is the bytes the input boxing moves, summed over
-    ranks.
-    """
+    """How to run one call: the layout each global input is boxed to, a GlobalMeta per tensor output (flattened
+    order), and ``cost``, the bytes the input boxing moves, summed over ranks."""
 
     input_sbps: tuple[tuple, ...]
     outputs: tuple[GlobalMeta, ...]
@@ -38,6 +27,7 @@ class Decision:
 
     @property
     def local_fn(self) -> str | None:
+        """The rule's local function, if the chosen signature names one."""
         return next((s.local_fn for s in self.signatures if s.local_fn), None)
 
     @property
@@ -53,10 +43,8 @@ class NoSignature(Exception):
 def _valid_1d(sig: Signature, inputs: list[GlobalTensor], outputs: list[TensorInfo]) -> bool:
     if len(sig.inputs) != len(inputs) or len(sig.outputs) != len(outputs):
         return False
-    for s, t in zip(
-        sig.inputs + sig.outputs, [(g.dim(), g.dtype) for g in inputs] + [(o.ndim, o.dtype) for o in outputs]
-    ):
-        ndim, dtype = t
+    tensors = [(g.dim(), g.dtype) for g in inputs] + [(o.ndim, o.dtype) for o in outputs]
+    for s, (ndim, dtype) in zip(sig.inputs + sig.outputs, tensors):
         if isinstance(s, Split) and not 0 <= s.dim < ndim:
             return False
         if isinstance(s, Partial):
@@ -73,7 +61,6 @@ def _partial_allowed(combo, inputs: list[GlobalTensor]) -> bool:
     signature turns non-partial inputs into a partial output (a bias joining a split-contraction product)."""
     for axis, sig in enumerate(combo):
         current = [g.sbp[axis] for g in inputs]
-        # e.g. addmm (P, S(1), S(0)) -> P: the split contraction makes the partial, the bias joins it
         inherent = any(isinstance(o, Partial) for o in sig.outputs) and any(isinstance(w, Split) for w in sig.inputs)
         for want, have in zip(sig.inputs, current):
             if isinstance(want, Partial) and want != have and want not in current and not inherent:
@@ -100,10 +87,8 @@ def _deferred_reduction(outputs: list[TensorInfo], out_sbps: list[tuple], placem
     deferred = 1
     for info, sbp in zip(outputs, out_sbps):
         if any(isinstance(s, Partial) for s in sbp):
-            meta = GlobalMeta(info.shape, info.dtype, placement, sbp)
-            deferred += _decision_cost(
-                plan_boxing(meta, tuple(broadcast if isinstance(s, Partial) else s for s in sbp))
-            )
+            whole = tuple(broadcast if isinstance(s, Partial) else s for s in sbp)
+            deferred += _decision_cost(plan_boxing(GlobalMeta(info.shape, info.dtype, placement, sbp), whole))
     return deferred
 
 
@@ -125,9 +110,8 @@ def decide(bound: BoundCall) -> Decision:
     for k, v in described.items():
         if isinstance(v, (list, tuple)) and any(isinstance(x, GlobalTensor) for x in v):
             described[k] = type(v)(TensorInfo(tuple(x.shape), x.dtype) if isinstance(x, GlobalTensor) else x for x in v)
-    call = OpCall(
-        bound.func, [TensorInfo(tuple(g.shape), g.dtype) for g in inputs], outputs, described, placement.shape
-    )
+    infos = [TensorInfo(tuple(g.shape), g.dtype) for g in inputs]
+    call = OpCall(bound.func, infos, outputs, described, placement.shape)
     one_d = [s for s in rule.signatures(call) if _valid_1d(s, inputs, outputs)]
     written = {id(bound.tensors[i]) for i in bound.written}
     written_inputs = [k for k, g in enumerate(inputs) if id(g) in written]
@@ -151,11 +135,10 @@ def decide(bound: BoundCall) -> Decision:
             return None
         return combo, targets, out_sbps
 
-    # The first valid signature that keeps every input's layout costs nothing and changes nothing, so no
-    # other can beat it (costs are never negative; ties go to fewer changes, then to the rule's order): when
-    # there is one, it is the decision, found among the signatures that keep the layouts on every axis (in
-    # the same order as the full product), without costing the others (on a new shape, each cost is an N-D
-    # boxing search).
+    # The first valid signature that keeps every input's layout costs nothing and changes nothing, so none can
+    # beat it (costs are never negative; ties go to fewer changes, then the rule's order): found among those
+    # that keep the layouts on every axis (in the full product's order), it is taken without costing the
+    # others (on a new shape, each cost is an N-D boxing search).
     keeping = [
         [s for s in one_d if tuple(s.inputs) == tuple(g.sbp[axis] for g in inputs)] for axis in range(placement.ndim)
     ]
@@ -179,11 +162,9 @@ def decide(bound: BoundCall) -> Decision:
 
 
 def _decision_cost(plan) -> int:
-    """What boxing an input costs a decision: the plan's cost, where a reduce-scatter also counts the
-    all-gather it defers. Reducing a partial input to a split saves half an all-reduce only if what follows
-    stays split; in a model the split activation soon meets an op that needs it whole (the next layer's
-    matmul), and the pair costs the all-reduce's bytes in two calls. So a partial input is reduced to
-    broadcast, as Megatron-style tensor parallelism does, unless the op itself needs it split."""
+    """What boxing an input costs a decision: the plan's cost, where a reduce-scatter also counts the all-gather
+    it defers. A split activation soon meets an op that needs it whole (the next layer's matmul), so a partial
+    input is reduced to broadcast, as Megatron-style tensor parallelism does, unless the op needs it split."""
     return plan.cost + sum(
         step.cost for step in plan.steps if isinstance(step.src, Partial) and isinstance(step.dst, Split)
     )

@@ -1,12 +1,9 @@
-"""The dispatcher: how an aten op on global tensors runs. ``dispatch`` is what ``GlobalTensor``'s
-``__torch_dispatch__`` calls.
+"""The dispatcher: ``dispatch``, called by ``GlobalTensor.__torch_dispatch__``, runs an aten op on global tensors.
 
-One cache, ``CALLS`` (bounded, least recently used), maps each call key (``_bound.call_key``) to its entry:
-a compiled ``CallPlan``, a ``Fallback`` with its reason, a foreach plan, or an in-place view. A repeated call
-touches that one dictionary and runs the entry. A new key is bound once (``BoundCall``), checked (one
-placement for every global input; plain tensors only as 0-dim scalars, unless implicit broadcast is on),
-decided (``_decide.py``), compiled (``_call_plan.py``) and stored.
-"""
+One bounded LRU cache, ``CALLS``, maps each call key (``_bound.call_key``) to its entry (a ``CallPlan``, a ``Fallback``
+with its reason, a foreach plan or an in-place view), which a repeated call looks up and runs. A new key is bound once
+(``BoundCall``), checked (one placement for every global input; plain tensors only as 0-dim scalars, unless implicit
+broadcast is on), decided (``_decide.py``), compiled (``_call_plan.py``) and stored."""
 
 import contextlib
 import contextvars
@@ -132,10 +129,9 @@ def _broadcast_plain_tensors(bound: BoundCall) -> tuple:
 
 @contextlib.contextmanager
 def recording(calls: list):
-    """Within the block, each aten op that this thread (context) dispatches at the top level is appended to
-    ``calls`` as ``(op, args, kwargs, result, ran as is)``: "as is" when its entry ran the op on the local
-    parts unchanged (no boxing, no local function, no fallback, a member rank). Dispatches made while running
-    an op belong to that op and are not recorded."""
+    """Within the block, each aten op this thread (context) dispatches at the top level is appended to ``calls`` as
+    ``(op, args, kwargs, result, ran as is)``: "as is" when its entry ran the op on the local parts unchanged (no
+    boxing, no local function, no fallback, a member rank). Dispatches made while running an op are not recorded."""
     token = _RECORDER.set(calls)
     try:
         yield

@@ -1,8 +1,6 @@
-"""The always-valid route for ops with no rule, no fitting signature, or no meta kernel: every input boxed
-to broadcast, the op run on full values, broadcast outputs; tensors the op writes into get the result boxed
-back into their own layout. It warns once per op, or raises in strict mode (``_modes.py``); ops whose
-result is a Python value (``VALUE_OPS``) take it quietly.
-"""
+"""The always-valid route for ops with no rule, no fitting signature or no meta kernel: every input boxed to broadcast,
+the op run on full values, broadcast outputs; tensors the op writes into get the result boxed back into their own
+layout. It warns once per op, or raises in strict mode (``_modes.py``), except for ``VALUE_OPS``."""
 
 import warnings
 from dataclasses import dataclass
@@ -31,8 +29,7 @@ warned_ops: set = set()  # the ops that took the fallback and were warned about 
 
 @dataclass(frozen=True)
 class Fallback:
-    """A call key that takes the fallback, with the reason (kept so that an op with no meta kernel does not
-    run it again on every call)."""
+    """A call key that takes the fallback, and why (kept, so that an op with no meta kernel is not traced again)."""
 
     func: object
     reason: str

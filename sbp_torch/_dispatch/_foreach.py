@@ -1,15 +1,11 @@
-"""Foreach ops (``_foreach_*``, the multi-tensor kernels of optimizers) on lists of global tensors.
+"""Foreach ops (``_foreach_*``, optimizers' multi-tensor kernels) on lists of global tensors. Indices may differ in
+layout, so a key's first call runs index by index, each a call of its own (decided and cached like any op); if every
+index ran on its parts as they were, the key becomes a ``ForeachPlan``, one local foreach call, as torch's optimizers
+expect for speed; else ``PerIndex``. ``COALESCED`` ops (norms, which reduce across ranks) have their own path.
 
-The tensors at different list indices may have different layouts, so the first call of a call key runs
-index by index, each index a call of its own (decided and cached like any op). If every index then ran on
-its local parts as they were, the key becomes a ``ForeachPlan``: later calls run as one local foreach call,
-as torch's optimizers expect for speed. Otherwise later calls run index by index again (``PerIndex``).
-Ops in ``COALESCED`` (norms, which reduce across ranks) have their own path for lists of global tensors.
-
-Torch bumps a plain tensor's version in its kernel, and a global tensor's in its autograd layer for other
-in-place ops, but not for foreach ones; so the version of each global tensor in a written list is bumped
-here, or autograd would not see a saved tensor changed by an optimizer step.
-"""
+Torch bumps a global tensor's version in its autograd layer for in-place ops, but not for foreach ones (a plain tensor's
+is bumped in its kernel); so each global tensor in a written list is bumped here, or autograd would not see a saved
+tensor changed by an optimizer step."""
 
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -102,10 +98,7 @@ def _per_index(bound: BoundCall, dispatch_one) -> tuple:
     results, entries = [], []
     for one_args, one_kwargs in split_foreach_call(bound.schema, bound.args, bound.kwargs):
         one = BoundCall(bound.func, one_args, one_kwargs)
-        if one.tensors:
-            out, entry = dispatch_one(one)
-        else:
-            out, entry = bound.func(*one_args, **one_kwargs), None
+        out, entry = dispatch_one(one) if one.tensors else (bound.func(*one_args, **one_kwargs), None)
         results.append(out)
         entries.append(entry)
     if bound.schema.written:
@@ -114,9 +107,7 @@ def _per_index(bound: BoundCall, dispatch_one) -> tuple:
 
 
 def first_foreach_call(bound: BoundCall, dispatch_one) -> tuple:
-    """(The result of a foreach call seen for the first time, its cache entry).
-
-    ``dispatch_one(bound) -> (result, entry)`` runs one non-foreach call."""
+    """(The result of a foreach call seen for the first time, its cache entry)."""
     func = bound.func
     if func in COALESCED and all(isinstance(t, GlobalTensor) for t in bound.args[0]):
         return COALESCED[func](func, bound.args, bound.kwargs), Coalesced(func)

@@ -1,17 +1,10 @@
-"""``_foreach_norm`` on global tensors with one all-reduce per group of like tensors, not one per tensor.
+"""``_foreach_norm`` on global tensors with one all-reduce per group of like tensors, not one per tensor (index by
+index, ``clip_grad_norm_`` would pay a collective per split gradient, or through the fallback a gather of each).
 
-``clip_grad_norm_`` (foreach, the default on GPUs) takes the norm of every gradient with one
-``_foreach_norm`` call. Index by index, a split gradient's norm needs a reduction across the ranks that split
-it, so a model with hundreds of split weights would pay hundreds of small collectives (or, through the
-broadcast fallback, gather every gradient). Here each rank computes the norms of its local parts in one local
-``_foreach_norm``, turns them into the statistics that add up across parts (``|x|**ord`` summed; the largest
-or smallest ``|x|`` for infinite orders; the count of non-zeros for order 0), stacks the statistics of all
-tensors that share a placement and split axes, reduces the stack with one all-reduce per split axis, and
-takes the root (``norm_statistic``). The results are broadcast 0-dim tensors, as a single ``linalg_vector_norm`` gives.
-
-Tensors with a partial axis (a norm of a sum is not a sum of norms) are reduced to their layout without
-partial axes first.
-"""
+Each rank takes its parts' norms in one local ``_foreach_norm``, as statistics that add up across parts
+(``norm_statistic``); those of the tensors sharing a placement and split axes are stacked, all-reduced once per split
+axis and turned back into norms: broadcast 0-dim tensors, as ``linalg_vector_norm`` gives. Tensors with a partial axis
+(a norm of a sum is not a sum of norms) are first reduced to their layout without partial axes."""
 
 import torch
 

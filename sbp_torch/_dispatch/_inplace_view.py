@@ -16,8 +16,7 @@ aten = torch.ops.aten
 
 
 def out_of_place(func):
-    """The view op with the same arguments as in-place view ``func`` (``aten.transpose_.default`` →
-    ``aten.transpose.int``), or None."""
+    """The view op with the arguments of in-place ``func`` (``transpose_.default`` → ``transpose.int``), or None."""
     packet = getattr(aten, func._schema.name.split("::")[1].rstrip("_"), None)
     signature = [(a.name, str(a.type)) for a in func._schema.arguments]
     for name in packet.overloads() if packet is not None else ():

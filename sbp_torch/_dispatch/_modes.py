@@ -1,8 +1,6 @@
-"""Dispatch modes, per thread and per ``contextvars`` context: strict mode and implicit broadcast.
-
-A pipeline's transfer lanes are threads, and a mode set by one thread must not change what another one does;
-each thread starts with the defaults (strict mode: the environment variable ``SBP_TORCH_STRICT``).
-"""
+"""Dispatch modes, per thread and per ``contextvars`` context: strict mode and implicit broadcast. A pipeline's transfer
+lanes are threads, and a mode set by one must not change what another does; each thread starts with the defaults (strict
+mode: the environment variable ``SBP_TORCH_STRICT``)."""
 
 import contextlib
 import contextvars

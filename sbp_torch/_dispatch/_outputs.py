@@ -1,22 +1,14 @@
-"""Each output's shape and dtype, which a decision needs: by rule where one applies, else by tracing.
+"""Each output's shape and dtype, which a decision needs: by rule where one applies, else by tracing (running the op on
+meta tensors, which answers for any op); a rule that is not sure returns None.
 
-Running the op on meta tensors gives both for any op, but
-for pointwise ops it goes through torch's Python references and costs about 40% of a cache miss. A pointwise
-op's output has the broadcast shape of its tensor arguments, and its dtype depends only on their dtypes,
-on which of them are 0-dim (they promote like scalars) and on the types of the numbers passed. So the
-shape is ``torch.broadcast_shapes`` and the dtype is read off the op run on one-element CPU tensors of the
-same dtypes, once per such combination (cached): torch's own promotion, not a copy of its rules.
+Tracing a pointwise op goes through torch's Python references: about 40% of a cache miss. Its output has the broadcast
+shape of its tensor arguments, and a dtype that depends only on their dtypes, on which of them are 0-dim (they promote
+like scalars) and on the types of the numbers passed: it is read off the op run on one-element CPU tensors of the same
+dtypes, once per such combination (cached), so it is torch's own promotion, not a copy of its rules. ``SHAPE_RULES``
+covers a few ops whose meta kernels are slow Python references (layer norm's took 80% of a miss on a 2x2 placement) or
+that every model calls, for float32 and float64 inputs only (whose output dtype is the input's on every device)."""
 
-Beyond pointwise ops, ``SHAPE_RULES`` maps a few ops whose meta kernels are slow Python references (layer
-norm's took 80% of a miss on a 2x2 placement) or that every model calls (softmax, sum over dims, cat,
-transpose, mm, addmm, t, view) to a function of the bound arguments. Those rules answer only for float32
-and float64 inputs, where the output dtype is the input's on every device, and otherwise return None.
-
-Where a rule is not sure it returns None and the caller traces: ops that are not tagged pointwise, that
-return anything but one tensor, that take ``out=`` or lists of tensors, that draw random numbers (running
-them would advance the generator), shapes that do not broadcast or an in-place op whose ``self`` would have
-to grow, and combinations the one-element run refuses (the trace then raises the real error).
-"""
+import math
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
@@ -29,18 +21,6 @@ from ._schema import op_schema
 aten = torch.ops.aten
 
 _dtypes: dict = {}  # (op, argument kinds) -> output dtype, or None where the one-element run raised
-
-
-def _eligible(func) -> bool:
-    tags = func.tags
-    returns = func._schema.returns
-    return (
-        torch.Tag.pointwise in tags
-        and torch.Tag.nondeterministic_seeded not in tags
-        and len(returns) == 1
-        and str(returns[0].type) == "Tensor"
-        and not op_schema(func).outs
-    )
 
 
 def _shape(t: torch.Tensor) -> tuple:
@@ -64,7 +44,14 @@ def _tiny(value):
 
 def pointwise_outputs(func, args, kwargs) -> list[TensorInfo] | None:
     """``[TensorInfo(shape, dtype)]`` of a pointwise op's output, or None where tracing must decide."""
-    if not _eligible(func):
+    tags, returns = func.tags, func._schema.returns
+    if not (
+        torch.Tag.pointwise in tags
+        and torch.Tag.nondeterministic_seeded not in tags  # running it would advance the generator
+        and len(returns) == 1
+        and str(returns[0].type) == "Tensor"
+        and not op_schema(func).outs
+    ):
         return None
     values = list(args) + list(kwargs.values())
     if any(isinstance(v, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in v) for v in values):
@@ -132,12 +119,9 @@ def _sum_dims(a) -> list[TensorInfo] | None:
     dims = _dims(a["dim"], len(shape))
     if dims is None or a.get("dtype") is not None:
         return None
-    kept = (
-        [1 if i in dims else n for i, n in enumerate(shape)]
-        if a["keepdim"]
-        else [n for i, n in enumerate(shape) if i not in dims]
-    )
-    return [TensorInfo(tuple(kept), x.dtype)]
+    if a["keepdim"]:
+        return [TensorInfo(tuple(1 if i in dims else n for i, n in enumerate(shape)), x.dtype)]
+    return [TensorInfo(tuple(n for i, n in enumerate(shape) if i not in dims), x.dtype)]
 
 
 def _cat(a) -> list[TensorInfo] | None:
@@ -196,15 +180,9 @@ def _t(a) -> list[TensorInfo] | None:
 
 def _view(a) -> list[TensorInfo] | None:
     x, size = a["self"], list(a["size"])
-    numel = 1
-    for n in _shape(x):
-        numel *= n
-    known = 1
-    for n in size:
-        if n != -1:
-            if n < 0:
-                return None
-            known *= n
+    if any(n < -1 for n in size):
+        return None
+    numel, known = math.prod(_shape(x)), math.prod(n for n in size if n != -1)
     if size.count(-1) > 1 or (size.count(-1) == 1 and (known == 0 or numel % known)):
         return None
     if -1 in size:
@@ -230,8 +208,7 @@ SHAPE_RULES = {
 
 
 def ruled_outputs(bound: BoundCall) -> list[TensorInfo] | None:
-    """Each output's shape and dtype by rule (pointwise, or ``SHAPE_RULES``), or None where tracing must
-    decide."""
+    """Each output's shape and dtype by rule (pointwise, or ``SHAPE_RULES``), or None where tracing must decide."""
     rule = SHAPE_RULES.get(bound.func)
     if rule is None:
         return pointwise_outputs(bound.func, bound.args, bound.kwargs)
@@ -256,8 +233,7 @@ def _on_meta(value):
 
 
 def infer_outputs(bound: BoundCall) -> list[TensorInfo]:
-    """Each tensor output's shape and dtype: by rule (``ruled_outputs``), else by running the op on meta
-    tensors. Raises ``UnknownOutputs`` where neither can tell."""
+    """Each tensor output's shape and dtype, by rule or on meta tensors; ``UnknownOutputs`` where neither can tell."""
     ruled = ruled_outputs(bound)
     if ruled is not None:
         return ruled

@@ -1,9 +1,6 @@
-"""What an aten op's schema says that dispatch needs, read once per op.
-
-Reading ``func._schema`` on every call (argument lists, alias annotations, tags) would cost more than the
-rest of a cached call, so ``op_schema(func)`` reads it all once. The memo grows with the number of distinct
-ops a program calls, not with shapes, so it needs no bound.
-"""
+"""What an aten op's schema says that dispatch needs, read once per op (``op_schema``): reading ``func._schema``
+(arguments, alias annotations, tags) on every call would cost more than the rest of a cached call. The memo grows with
+the number of distinct ops a program calls, not with shapes, so it needs no bound."""
 
 from __future__ import annotations
 
@@ -22,8 +19,6 @@ UNMARKED_WRITES = {
 
 @dataclass(frozen=True)
 class OpSchema:
-    """The facts of one op's schema that dispatch reads."""
-
     func: object
     names: tuple[str, ...]  # argument names in schema order
     defaults: tuple  # (name, default) of every argument that has a default
@@ -75,7 +70,6 @@ _SCHEMAS: dict = {}
 
 
 def op_schema(func) -> OpSchema:
-    """The ``OpSchema`` of ``func``."""
     schema = _SCHEMAS.get(id(func))
     if schema is None or schema.func is not func:
         schema = _SCHEMAS[id(func)] = OpSchema.read(func)

@@ -1,13 +1,10 @@
 """``torch.matmul`` of batched global tensors without flattening the batch dims.
 
-torch decomposes ``a @ b`` for 4-D attention tensors ``[batch, heads, T, D]`` into ``expand``, a reshape to
-``[batch * heads, T, D]``, ``bmm`` and a reshape back, above ``__torch_dispatch__``. With the heads split
-across ranks (tensor parallelism) the merged ``batch * heads`` dim cannot hold that split (it is not the
-outer dim of the merge), so every attention product would gather q and k. Here ``torch.matmul`` of two
-global tensors with the same batch shape is caught at the ``__torch_function__`` level and sent to the
-dispatcher as one ``aten.matmul`` call, whose rule (``_signatures/matmul.py``) splits any batch dim; an
-autograd function gives it the two matmuls of its gradient.
-"""
+Above ``__torch_dispatch__``, torch turns ``a @ b`` of 4-D attention tensors ``[batch, heads, T, D]`` into ``expand``, a
+reshape to ``[batch * heads, T, D]``, ``bmm`` and a reshape back; the merged dim cannot hold a split of the heads (not
+its outer dim), so with tensor parallelism every attention product would gather q and k. Here ``torch.matmul`` of two
+global tensors with the same batch shape goes to the dispatcher as one ``aten.matmul``, whose rule splits any batch dim;
+an autograd function gives it its gradient's two matmuls."""
 
 import torch
 
@@ -46,9 +43,8 @@ class BatchedMatmul(torch.autograd.Function):
 
 
 def _matmul(x, y):
-    """``x @ y`` for the gradient, as one ``aten.matmul`` where this module applies. Called directly: backward
-    started from ``Tensor.backward`` runs with ``__torch_function__`` off (it was entered through it), so
-    ``torch.matmul`` here would be flattened by torch like any other."""
+    """``x @ y`` for the gradient, as one ``aten.matmul`` where this module applies: backward from ``Tensor.backward``
+    runs with ``__torch_function__`` off (entered through it), so torch would flatten a ``torch.matmul`` here."""
     if applies(torch.matmul, (x, y), {}):
         return BatchedMatmul.apply(x, y)
     return torch.matmul(x, y)

@@ -1,36 +1,27 @@
 """Local calls: a torch function that autograd does not record runs on the local parts, skipping dispatch.
 
-Every op on a global tensor normally enters Python twice: ``__torch_function__``, then, below autograd,
-``__torch_dispatch__`` once per aten op, where the call plan runs. When autograd records nothing (grad mode
-off, as in an optimizer step, or no input that requires grad), a torch-function call whose aten ops all ran
-on the local parts unchanged can skip the second entry: on its next call with the same argument key, the
-same torch function is called on the local parts and its result wrapped with the metadata learnt. That is
-the *local call*; it is several microseconds cheaper than the dispatch path (``docs/performance.md``).
+When autograd records nothing (grad mode off, as in an optimizer step, or no input requires grad), a call whose aten ops
+all ran on the local parts unchanged skips ``__torch_dispatch__`` (a Python entry per aten op) on later calls with the
+same argument key: the torch function runs on the local parts, its result wrapped as learnt. A key is learnt on its
+second call (a shape seen once costs no learning), on the dispatch path, recording each aten op it dispatches; it
+becomes a local call only if all of these hold:
 
-A key is learnt on its second call (a shape seen once, as with a changing sequence length, costs no
-learning), which takes the dispatch path while recording each aten op it dispatches. The key becomes a
-local call only if all of these hold:
+* it dispatched at least one aten op (one that dispatches none, such as ``requires_grad_`` or a hook, acts on the
+  wrapper itself) and changed no argument's metadata;
+* every recorded op ran its call plan as is (no boxing, no local function, no fallback, a member rank: see ``recording``
+  in ``_dispatch``), and none is seeded by the random generator;
+* the torch function, called again on clones of the local parts, dispatches the same aten ops with the same non-tensor
+  arguments, each tensor the part of the global tensor at the same place (this catches composites that compute an
+  argument from a shape: the wrapper's shape is the logical one);
+* the result is None, an argument the call wrote into and returned, or a new tensor (or a list of them) that aliases no
+  input, from a call that writes none. Views stay on the dispatch path, which makes them autograd views of their base,
+  sharing its version counter, as torch's in-place checks expect.
 
-* it dispatched at least one aten op (a call that dispatches none, such as ``requires_grad_`` or a
-  hook, acts on the wrapper itself) and changed no argument's metadata;
-* every recorded op ran its call plan as is: no boxing, no local function, no fallback, a member rank, and
-  none seeded by the random generator (see ``recording`` in ``_dispatch``);
-* the torch function, called again on clones of the local parts, dispatches the same aten ops with the same
-  non-tensor arguments, each tensor being the part of the global tensor at the same place. This catches
-  composites that compute an argument from a shape (the wrapper's shape is the logical one);
-* the result is a new tensor (or a list of them) that aliases no input from a call that writes none, an
-  argument the call wrote into and returned, or None. Views are left to the dispatch path, which makes
-  them autograd views of their base, sharing its version counter, as torch's in-place checks expect.
-
-A local call bumps the version counter of each global argument the learning call bumped, so autograd still
-refuses a backward through a tensor modified in place. Floats in the key count by value (a composite may
-branch on one: dropout with ``p=0`` returns its input), except for the torch functions in
-``FLOATS_BY_TYPE``, which bind one aten op whose float arguments are Scalars (keyed by type on the aten
-path too), so a learning rate or bias correction that changes every step does not miss.
-
-The learnt calls live in ``LOCAL_CALLS``, bounded like the dispatcher's call cache. Set
-``SBP_TORCH_LOCAL_CALLS=0`` to turn local calls off (every call then takes the dispatch path).
-"""
+A local call bumps the version of each global argument the learning call bumped, so autograd still refuses a backward
+through a tensor modified in place. Floats in the key count by value (a composite may branch on one: dropout with
+``p=0`` returns its input), except for ``FLOATS_BY_TYPE``, functions binding one aten op whose floats are Scalars (keyed
+by type on the aten path too), so a learning rate changing every step does not miss. Learnt calls live in
+``LOCAL_CALLS``, bounded like the call cache; ``SBP_TORCH_LOCAL_CALLS=0`` turns them off."""
 
 import os
 from dataclasses import dataclass
@@ -55,9 +46,8 @@ FLOATS_BY_TYPE = frozenset(
     [getattr(torch, name) for name in dir(torch) if name.startswith("_foreach_")]
     + [torch.add, torch.sub, torch.mul, torch.div, torch.lerp, torch.addcmul, torch.addcdiv]
     + [_T.add, _T.add_, _T.sub, _T.sub_, _T.mul, _T.mul_, _T.div, _T.div_, _T.lerp, _T.lerp_]
-    + [_T.addcmul, _T.addcmul_, _T.addcdiv, _T.addcdiv_]
+    + [_T.addcmul, _T.addcmul_, _T.addcdiv, _T.addcdiv_, _T.__truediv__, _T.__itruediv__]
     + [_T.__add__, _T.__radd__, _T.__iadd__, _T.__sub__, _T.__isub__, _T.__mul__, _T.__rmul__, _T.__imul__]
-    + [_T.__truediv__, _T.__itruediv__]
 )
 
 
@@ -189,15 +179,15 @@ def call(func, types, args, kwargs):
 
 
 def _learn(func, types, args, kwargs, key):
-    """Run the call on the dispatch path, recording its aten ops, and keep it as a local call if it
-    qualifies (see the module docstring). Returns the dispatch path's result."""
+    """Run the call on the dispatch path, recording its aten ops, and learn it as a local call if it qualifies."""
     kwargs = kwargs or {}
     slots, tensors, _ = find_tensors(args, kwargs)
     before = [(g._version, g._meta) for g in tensors]
     recorded = []
     with recording(recorded):
         result = below_autograd(func, types, args, kwargs)
-    if (not recorded and (_is_getter(func) or not (isinstance(result, torch.Tensor) or _is_tensor_list(result)))) or (
+    getter = getattr(func, "__name__", None) == "__get__"  # a property getter (Tensor.grad, ...), as torch passes it
+    if (not recorded and (getter or not (isinstance(result, torch.Tensor) or _is_tensor_list(result)))) or (
         isinstance(result, GlobalTensor) and result._is_view()
     ):
         DISPATCH_ONLY.add(func)
@@ -214,11 +204,6 @@ def _learn(func, types, args, kwargs, key):
             plan = None
     LOCAL_CALLS.put(key, _REFUSED if plan is None else plan)
     return result
-
-
-def _is_getter(func) -> bool:
-    """A property getter (``Tensor.grad``, ``Tensor.shape``, ...), as torch passes it: ``__get__``."""
-    return getattr(func, "__name__", None) == "__get__"
 
 
 def _grouped_bumps(args, kwargs, bumps: list) -> tuple:
@@ -276,14 +261,7 @@ def _qualify(func, args, kwargs, tensors, recorded, result, bumped) -> LocalCall
                 returned = op._schema.returns[min(k, len(op._schema.returns) - 1)]
                 if returned.alias_info is not None and not returned.alias_info.is_write:
                     aliases.add(id(g))
-    argument_ids = {id(g) for g in tensors}
-    return _result_plan(
-        args, kwargs, local_args, local_kwargs, result, local_result, parts, aliases, argument_ids, bumped
-    )
-
-
-def _result_plan(args, kwargs, local_args, local_kwargs, result, local_result, parts, aliases, argument_ids, bumped):
-    """The LocalCall for the call's result (see ``_qualify``), or None."""
+    # Every op replayed alike: what the call returns decides the rest.
     if result is None:
         return None if local_result is not None else LocalCall("none", None, (), (), bumped)
     for slot, value in [*enumerate(args), *kwargs.items()]:
@@ -300,6 +278,7 @@ def _result_plan(args, kwargs, local_args, local_kwargs, result, local_result, p
         return None
     if isinstance(local_result, torch.Tensor):
         local_result = [local_result]
+    argument_ids = {id(g) for g in tensors}
     for g, local in zip(outputs, local_result):
         if (
             type(g) is not GlobalTensor

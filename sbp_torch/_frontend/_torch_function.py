@@ -1,11 +1,10 @@
-"""``GlobalTensor.__torch_function__``: what a torch function on global tensors takes, in order.
+"""``GlobalTensor.__torch_function__``: what a torch function on global tensors takes, in order:
 
-1. Getters (``shape``, ``grad``, ...) and functions known to return views go straight on, below autograd.
-2. ``torch.matmul`` of batched global tensors becomes one ``aten.matmul`` (``_batched_matmul.py``): torch
-   would flatten it in a way that loses a split of the heads dim.
-3. A call that autograd does not record may run on the local parts directly (``_local_calls.py``).
-4. Everything else goes below autograd to ``__torch_dispatch__``, the dispatcher.
-"""
+1. getters (``shape``, ``grad``, ...) and functions known to return views go straight on, below autograd;
+2. ``torch.matmul`` of batched global tensors becomes one ``aten.matmul`` (``_batched_matmul.py``), which
+   torch would flatten in a way that loses a split of the heads dim;
+3. a call that autograd does not record may run on the local parts directly (``_local_calls.py``);
+4. everything else goes below autograd to ``__torch_dispatch__``, the dispatcher."""
 
 from . import _batched_matmul as batched_matmul
 from . import _local_calls as local_calls

@@ -1,7 +1,4 @@
-"""The layout vocabulary: SBPs, placements, the metadata of a global tensor and the regions ranks hold.
-
-Nothing here communicates. Every layer above speaks these types.
-"""
+"""The layout vocabulary that every layer above speaks: SBPs, placements, global metadata, regions. No communication."""
 
 from ._meta import (
     GlobalMeta,

@@ -1,14 +1,13 @@
 """Layout arithmetic: which region of the logical tensor each rank holds. Pure functions, no communication.
 
-A rank at coordinates ``c`` of an N-D placement holds the region found by applying the SBPs axis by axis:
-``Split(d)`` on axis ``a`` keeps the balanced part ``c[a]`` of the region's current extent along ``d`` (so
-several axes splitting one dim nest, in axis order, as in OneFlow); ``Broadcast`` and ``Partial`` keep it.
-Balanced means the first ``n % p`` parts get one more row.
-"""
+A rank at coordinates ``c`` holds the region found by applying the SBPs axis by axis: ``Split(d)`` on axis ``a``
+keeps the balanced part ``c[a]`` (the first ``n % p`` parts get one more row) of the region's current extent
+along ``d``, so axes splitting one dim nest in axis order, as in OneFlow; ``Broadcast`` and ``Partial`` keep it."""
 
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -70,10 +69,7 @@ class GlobalMeta:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:

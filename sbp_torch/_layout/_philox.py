@@ -1,16 +1,12 @@
-"""Counter-based random numbers (Philox4x32-10) built from plain torch tensor ops.
+"""Counter-based random numbers (Philox4x32-10) built from plain torch tensor ops; see docs/randomness.md.
 
-Why: a random *global* tensor must have the same logical value however it is
-split across ranks.  With a counter-based generator the value of logical
-element ``i`` is a pure function of ``(seed, offset, i)``, so every rank can
-compute exactly its own slice (see :func:`region_flat_indices`) and the pieces
-always agree with the unsplit tensor.  Only integer and elementwise float ops
-are used, so the same code runs on CPU and CUDA without custom kernels.
+A random global tensor must have the same logical value however it is split. Here logical element ``i`` is a
+pure function of ``(seed, offset, i)``, so every rank computes exactly its own slice (``region_flat_indices``)
+and the pieces agree with the unsplit tensor. Only integer and elementwise float ops are used, so the same code
+runs on CPU and CUDA without custom kernels.
 
-Integer arithmetic is done in int64 tensors holding values in ``[0, 2**32)``;
-32x32->64-bit products are split into 16-bit pieces so that no intermediate
-ever exceeds 2**49 (signed int64 overflow is never relied upon).
-"""
+Integer arithmetic is done in int64 tensors holding values in ``[0, 2**32)``; 32x32->64-bit products are split
+into 16-bit pieces so that no intermediate exceeds 2**49 (signed int64 overflow is never relied upon)."""
 
 import math
 from collections.abc import Sequence
@@ -35,14 +31,10 @@ def _mulhilo(m: int, x: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def philox4x32(counter_lo: Tensor, counter_hi: Tensor, seed: int) -> Tensor:
-    """Philox4x32-10 block function; returns int64 words in ``[0, 2**32)``, shape ``(*shape, 4)``.
-
-    Convention: the 128-bit counter words are ``(c0, c1, c2, c3) = (low 32 bits of
-    counter_lo, high 32 bits of counter_lo, low 32 of counter_hi, high 32 of
-    counter_hi)``, reading the int64 tensors as two's-complement 64-bit values
-    (so ``-1`` means all ones).  The key is ``(k0, k1) = (seed mod 2**32,
-    (seed >> 32) mod 2**32)``.  Output lane ``j`` is Random123's ``v[j]``.
-    """
+    """Philox4x32-10 block function; returns int64 words in ``[0, 2**32)``, shape ``(*shape, 4)``. The 128-bit
+    counter words ``(c0, c1, c2, c3)`` are the low and high 32 bits of ``counter_lo``, then of ``counter_hi``,
+    reading the int64 tensors as two's-complement 64-bit values (``-1`` is all ones). The key is
+    ``(k0, k1) = (seed mod 2**32, (seed >> 32) mod 2**32)``. Output lane ``j`` is Random123's ``v[j]``."""
     counter_lo, counter_hi = torch.broadcast_tensors(counter_lo.long(), counter_hi.long())
     c0, c1 = counter_lo & _MASK32, (counter_lo >> 32) & _MASK32
     c2, c3 = counter_hi & _MASK32, (counter_hi >> 32) & _MASK32
@@ -66,23 +58,17 @@ _UNIFORM_BITS = {torch.float16: 11, torch.bfloat16: 8, torch.float32: 24, torch.
 
 
 def random_values(kind: str, flat_indices: Tensor, seed: int, offset: int, dtype: torch.dtype) -> Tensor:
-    """Random values for the logical elements ``flat_indices`` (row-major linear indices).
+    """Random values for the logical elements ``flat_indices`` (row-major linear indices), of their shape and
+    device, in ``dtype``. Element ``i`` uses lane ``i % 4`` of ``philox4x32(offset + i // 4, 0, seed)``, so it
+    depends only on ``(seed, offset, i)``.
 
-    Element ``i`` uses lane ``i % 4`` of ``philox4x32(offset + i // 4, 0, seed)``, so
-    it depends only on ``(seed, offset, i)``.  Output has the shape of
-    ``flat_indices``, dtype ``dtype`` and lives on its device.
-
-    * ``"uniform"``: in ``[0, 1)`` like ``torch.rand``; the top ``b`` bits of the
-      lane's 32-bit word scaled by ``2**-b``, with ``b`` = 11/8/24/32 for
-      float16/bfloat16/float32/float64.  Every value is exactly representable in
-      ``dtype``, so rounding can never produce 1.0.  (float64 uses a single
-      32-bit word, i.e. a 2**-32 grid.)
-    * ``"normal"``: standard normal like ``torch.randn``, by Box-Muller on the
-      lane pairs (0, 1) and (2, 3) of the element's own counter: lane 0/2 gives
-      ``r*cos(t)``, lane 1/3 gives ``r*sin(t)``, with ``r = sqrt(-2 log u1)``,
-      ``u1 = (w_even + 1) * 2**-32`` in ``(0, 1]`` (log never sees 0) and
-      ``t = 2*pi*w_odd * 2**-32``.  Computed in float64 and then rounded to ``dtype``.
-    """
+    * ``"uniform"``: in ``[0, 1)`` like ``torch.rand``: the top ``b`` bits of the lane's 32-bit word scaled by
+      ``2**-b``, ``b`` = 11/8/24/32 for float16/bfloat16/float32/float64 (float64 uses one 32-bit word: a
+      2**-32 grid). Every value is exactly representable in ``dtype``, so rounding never produces 1.0.
+    * ``"normal"``: standard normal like ``torch.randn``, by Box-Muller on the lane pairs (0, 1) and (2, 3) of
+      the element's own counter: lane 0/2 gives ``r*cos(t)``, lane 1/3 ``r*sin(t)``, with ``r = sqrt(-2 log u1)``,
+      ``u1 = (w_even + 1) * 2**-32`` in ``(0, 1]`` (log never sees 0) and ``t = 2*pi*w_odd * 2**-32``.
+      Computed in float64, then rounded to ``dtype``."""
     if dtype not in _UNIFORM_BITS:
         raise TypeError(f"unsupported dtype {dtype}")
     idx = flat_indices.long()

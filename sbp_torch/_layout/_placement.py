@@ -31,18 +31,9 @@ def _flatten(ranks) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 class placement:  # noqa: N801 - lower case on purpose, as torch.device and oneflow.placement are
-    """Which ranks hold a global tensor, arranged as a 1-D or N-D array.
-
-    Args:
-        type: ``"cpu"`` or ``"cuda"``: the device type of the local parts.
-        ranks: a list of ranks (1-D) or a nested rectangular list (N-D), e.g. ``[[0, 1], [2, 3]]``.
-
+    """Which ranks hold a global tensor: ``type`` (``"cpu"`` or ``"cuda"``) is the device type of the local
+    parts, ``ranks`` a list (1-D) or nested rectangular list (N-D), e.g. ``[[0, 1], [2, 3]]`` (shape ``(2, 2)``).
     A rank that is not in the placement may still hold a global tensor of it; its local part is empty.
-
-    Example::
-
-        p = sbp_torch.placement("cpu", ranks=[[0, 1], [2, 3]])
-        p.shape, p.ndim      # (2, 2), 2
     """
 
     def __init__(self, type: str, ranks):  # noqa: A002 - the OneFlow name
@@ -95,8 +86,7 @@ class placement:  # noqa: N801 - lower case on purpose, as torch.device and onef
         return self._coords.get(rank)
 
     def local_coord(self) -> tuple[int, ...] | None:
-        """Coordinates of this process's rank (in the default group), or None when it is not in the
-        placement. A rank outside the placement holds empty local parts."""
+        """Coordinates of this process's rank (in the default group), or None when it is not in the placement."""
         return self._coords.get(dist.get_rank())
 
     def __contains__(self, rank: int) -> bool:

@@ -1,13 +1,9 @@
-"""Random global tensors whose logical value does not depend on world size, placement or SBP.
+"""Random global tensors whose logical value does not depend on world size, placement or SBP (docs/randomness.md).
 
-* CPU: every rank draws the whole logical tensor from torch's CPU generator and keeps its region, so the
-  result equals ``torch.randn(size)`` in a single process after the same ``torch.manual_seed``, and every
-  rank's generator advances alike. Drawing costs O(logical size) per rank, the price of that equality.
-* CUDA: a counter-based Philox stream keyed by the device generator's seed, with the generator's offset as
-  the counter base. Element ``i`` of the logical tensor is a function of ``(seed, offset, i)`` only, so each
-  rank computes just its own region, and the offset then advances by the counters the whole tensor uses, on
-  every rank (as single-GPU PyTorch advances its Philox offset per kernel launch).
-"""
+* CPU: every rank draws the whole logical tensor from torch's CPU generator and keeps its region, so the result
+  equals ``torch.randn(size)`` in one process after the same ``torch.manual_seed`` (at O(logical size) per rank).
+* CUDA: counter-based Philox keyed by the device generator's seed, counting from its offset: each rank computes
+  just its region, then every rank advances the offset by the counters of the whole tensor."""
 
 import math
 
@@ -20,10 +16,9 @@ _TORCH_DRAW = {"normal": torch.randn, "uniform": torch.rand}
 
 
 def random_region(kind: str, shape: tuple[int, ...], dtype: torch.dtype, starts, lengths, device) -> torch.Tensor:
-    """The box ``starts``/``lengths`` of a fresh random tensor of logical ``shape`` and ``dtype``, drawn
-    ``"uniform"`` or ``"normal"``; every rank must call it, since it advances the generator as one draw of the
-    whole logical tensor. Ranks outside the placement pass ``starts=None``: they only advance the generator
-    (and get None)."""
+    """The box ``starts``/``lengths`` of a fresh ``"uniform"`` or ``"normal"`` random tensor of logical ``shape``
+    and ``dtype``. Every rank must call it, as it advances the generator by one draw of the whole logical tensor;
+    ranks outside the placement pass ``starts=None`` and only advance the generator (getting None)."""
     if device.type == "cpu":
         full = _TORCH_DRAW[kind](shape, dtype=dtype)
         return None if starts is None else narrow_to(full, starts, lengths)

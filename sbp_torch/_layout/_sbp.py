@@ -1,12 +1,5 @@
-"""SBP: how the logical tensor maps to the local parts along one placement axis.
-
-* ``Split(dim)``   every rank holds one balanced slice of ``dim`` (the first ``n % p`` parts get one more row);
-* ``Broadcast``    every rank holds the whole tensor;
-* ``Partial(op)``  every rank holds a tensor of the full shape, and the logical tensor is the
-  element-wise ``op`` (sum, max or min) of all of them.
-
-Objects are immutable, hashable and compare by value, so layouts can be cache keys.
-"""
+"""SBP: how the logical tensor maps to the local parts along one placement axis (``Split``, ``Broadcast``,
+``Partial``). Objects are immutable, hashable and compare by value, so layouts can be cache keys."""
 
 from dataclasses import dataclass
 
@@ -15,7 +8,8 @@ import torch
 
 @dataclass(frozen=True)
 class Split:
-    """Split along tensor dimension ``dim`` (normalised to non-negative when attached to a tensor)."""
+    """Each rank holds one balanced slice of tensor dimension ``dim`` (the first ``n % p`` get one more row);
+    ``dim`` is normalised to non-negative when attached to a tensor."""
 
     dim: int
 
@@ -33,7 +27,7 @@ class Broadcast:
 
 @dataclass(frozen=True)
 class Partial:
-    """The logical value is the element-wise reduction ``op`` ("sum", "max" or "min") of the local parts."""
+    """Each rank holds a full-shape tensor; the logical value is their element-wise ``op`` ("sum", "max", "min")."""
 
     op: str = "sum"
 

@@ -1,7 +1,5 @@
-"""The signature table: one module per op family; importing them fills the registry in ``core``.
-
-A pure table: rules see only metadata, local functions only their ``LocalContext``.
-"""
+"""The signature table: one module per op family; importing them fills the registry in ``core``. A pure table:
+rules see only metadata, local functions only their ``LocalContext``."""
 
 from . import (  # noqa: F401  (registration by import)
     convolution,

@@ -40,8 +40,7 @@ def _channel_dims(transposed: bool) -> tuple[int, int]:
 
 
 def _convolve_bias_once(func, ctx: LocalContext) -> torch.Tensor:
-    """The convolution without bias, plus the bias on the rank at coordinate 0 of every axis of this local
-    function."""
+    """The convolution without bias, plus the bias on the rank at coordinate 0 of every axis of this local function."""
     bias = ctx.arguments["bias"]
     out = ctx.call(func, bias=None)
     if bias is not None and all(ctx.coord[a] == 0 for a in ctx.axes):

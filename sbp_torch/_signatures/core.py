@@ -22,48 +22,20 @@ import torch
 
 from .._layout import (
     GlobalMeta,
-    Partial,
     SbpType,
     Split,
     broadcast,
-    contiguous_strides,
     partial_max,
     partial_min,
     partial_sum,
     partials_as_broadcast,
     random_region,
 )
+from .._layout import Partial as Partial  # re-exported for the family files
+from .._layout import contiguous_strides as contiguous_strides  # re-exported for the family files
 
 B, P, P_MAX, P_MIN, S = broadcast, partial_sum, partial_max, partial_min, Split
 PARTIALS = (P, P_MAX, P_MIN)
-
-__all__ = [
-    "B",
-    "P",
-    "PARTIALS",
-    "P_MAX",
-    "P_MIN",
-    "RULES",
-    "S",
-    "GlobalMeta",
-    "LocalContext",
-    "OpCall",
-    "Partial",
-    "Rule",
-    "Signature",
-    "Split",
-    "TensorInfo",
-    "contiguous_strides",
-    "every_split_part_nonempty",
-    "like_input",
-    "operand_sbp",
-    "partials_as_broadcast",
-    "pass_through",
-    "register",
-    "register_family",
-    "rule_for",
-    "smallest_part",
-]
 
 
 @dataclass(frozen=True)
@@ -80,10 +52,8 @@ class TensorInfo:
 
 @dataclass(frozen=True)
 class Signature:
-    """One valid 1-D layout of an op: an SBP per global input, an SBP per tensor output.
-
-    ``local_fn`` names a function in the rule's ``local_fns`` that computes the local outputs instead of the op.
-    """
+    """One valid 1-D layout of an op: an SBP per global input, an SBP per tensor output. ``local_fn`` names a
+    function in the rule's ``local_fns`` that computes the local outputs instead of the op."""
 
     inputs: tuple[SbpType, ...]
     outputs: tuple[SbpType, ...]
@@ -97,12 +67,9 @@ class Signature:
 
 @dataclass
 class OpCall:
-    """An op call as a rule sees it.
-
-    ``inputs`` are the global tensor inputs in flattened argument order (the order of ``Signature.inputs``);
-    ``outputs`` the tensor outputs (order of ``Signature.outputs``); ``bound`` maps schema argument names to
-    values (defaults filled in), with ``TensorInfo`` in place of global tensors.
-    """
+    """An op call as a rule sees it. ``inputs`` are the global tensor inputs in flattened argument order (the
+    order of ``Signature.inputs``); ``outputs`` the tensor outputs (order of ``Signature.outputs``); ``bound`` maps
+    schema argument names to values (defaults filled in), with ``TensorInfo`` in place of global tensors."""
 
     func: object
     inputs: list[TensorInfo]
@@ -117,13 +84,11 @@ class OpCall:
 
 @dataclass
 class LocalContext:
-    """What a local function knows (see the module docstring).
-
-    ``inputs`` holds the GlobalMeta of each global input in its chosen layout and ``outputs`` of each tensor
-    output; ``axes`` are the placement axes whose signature names the local function (the others carry plain
-    signatures that commute with it); ``arguments`` the call's arguments by schema name, defaults filled in,
-    with local parts in place of global tensors. ``coord`` is None on a rank outside the placement.
-    """
+    """What a local function knows (see the module docstring). ``inputs`` holds the GlobalMeta of each global
+    input in its chosen layout and ``outputs`` of each tensor output; ``axes`` are the placement axes whose
+    signature names the local function (the others carry plain signatures that commute with it); ``arguments``
+    the call's arguments by schema name, defaults filled in, with local parts in place of global tensors.
+    ``coord`` is None on a rank outside the placement."""
 
     placement: object
     coord: tuple[int, ...] | None
@@ -194,7 +159,8 @@ def register(*ops, check_nd=None, local_fns=None, outside=None):
     def add(fn):
         rule = Rule(fn, check_nd, local_fns or {}, outside)
         for op in ops:
-            for overload in _overloads(op):
+            packet = isinstance(op, torch._ops.OpOverloadPacket)
+            for overload in [getattr(op, name) for name in op.overloads()] if packet else [op]:
                 RULES[overload] = rule
         return fn
 
@@ -212,12 +178,6 @@ def register_family(matches: Callable, check_nd=None, local_fns=None):
     return add
 
 
-def _overloads(op) -> list:
-    if isinstance(op, torch._ops.OpOverloadPacket):
-        return [getattr(op, name) for name in op.overloads()]
-    return [op]
-
-
 def rule_for(func) -> Rule | None:
     """The rule of ``func``: registered by name, else the first family that matches, else None."""
     rule = RULES.get(func)
@@ -230,7 +190,6 @@ def rule_for(func) -> Rule | None:
     return None
 
 
-# ---------------------------------------------------------------------------------------------------------
 # What several families share
 
 
@@ -248,8 +207,7 @@ def pass_through(n_in: int, n_out: int, local_fn: str | None = None) -> list[Sig
 
 
 def like_input(call: OpCall, local_fn: str | None = None) -> list[Signature]:
-    """Outputs shaped like the input, whose values are not read: S(d) -> S(d) for every dim, B -> B, every
-    partial -> B."""
+    """Outputs shaped like the input, whose values are not read: S(d) -> S(d) for each dim, B and partials -> B."""
     n_out = len(call.outputs)
     splits = [Signature((S(d),), (S(d),) * n_out, local_fn) for d in range(call.inputs[0].ndim)]
     return splits + [Signature((s,), (B,) * n_out, local_fn) for s in (B, *PARTIALS)]

@@ -13,25 +13,17 @@ from .core import B, OpCall, P, Partial, S, Signature, operand_sbp, register_fam
 aten = torch.ops.aten
 
 PARTIAL_KINDS = {
-    aten._foreach_add.List: "sum",
-    aten._foreach_add_.List: "sum",
-    aten._foreach_sub.List: "sum",
-    aten._foreach_sub_.List: "sum",
-    aten._foreach_neg.default: "sum",
-    aten._foreach_neg_.default: "sum",
+    **dict.fromkeys([aten._foreach_add.List, aten._foreach_add_.List], "sum"),
+    **dict.fromkeys([aten._foreach_sub.List, aten._foreach_sub_.List], "sum"),
+    **dict.fromkeys([aten._foreach_neg.default, aten._foreach_neg_.default], "sum"),
     aten._foreach_copy_.default: "sum",
-    aten._foreach_mul.Scalar: "scale",
-    aten._foreach_mul_.Scalar: "scale",
-    aten._foreach_mul.ScalarList: "scale",
-    aten._foreach_mul_.ScalarList: "scale",
-    aten._foreach_div.Scalar: "scale",
-    aten._foreach_div_.Scalar: "scale",
-    aten._foreach_div.ScalarList: "scale",
-    aten._foreach_div_.ScalarList: "scale",
-    aten._foreach_mul.Tensor: "scale",  # by one 0-dim tensor (clip_grad_norm_'s clip coefficient)
-    aten._foreach_mul_.Tensor: "scale",
-    aten._foreach_div.Tensor: "scale",
-    aten._foreach_div_.Tensor: "scale",
+    **dict.fromkeys([aten._foreach_mul.Scalar, aten._foreach_mul_.Scalar], "scale"),
+    **dict.fromkeys([aten._foreach_mul.ScalarList, aten._foreach_mul_.ScalarList], "scale"),
+    **dict.fromkeys([aten._foreach_div.Scalar, aten._foreach_div_.Scalar], "scale"),
+    **dict.fromkeys([aten._foreach_div.ScalarList, aten._foreach_div_.ScalarList], "scale"),
+    # The Tensor overloads scale by one 0-dim tensor (clip_grad_norm_'s clip coefficient).
+    **dict.fromkeys([aten._foreach_mul.Tensor, aten._foreach_mul_.Tensor], "scale"),
+    **dict.fromkeys([aten._foreach_div.Tensor, aten._foreach_div_.Tensor], "scale"),
     aten._foreach_zero_.default: "copy",
 }
 
@@ -49,9 +41,7 @@ def _elementwise_foreach(func) -> bool:
 
 @register_family(_elementwise_foreach)
 def foreach(call: OpCall) -> list[Signature]:
-    shape = call.inputs[0].shape
-    n_in = len(call.inputs)
-    n_out = len(call.outputs)
+    shape, n_in, n_out = call.inputs[0].shape, len(call.inputs), len(call.outputs)
     signatures = [
         Signature(tuple(operand_sbp(shape, x, d) for x in call.inputs), (S(d),) * n_out) for d in range(len(shape))
     ]

@@ -97,9 +97,8 @@ def index_add(call: OpCall) -> list[Signature]:
 
 def index_result_dims(ndim: int, indices: list) -> tuple[dict[int, int], int, tuple[int, ...]]:
     """For ``x[indices]`` (advanced indexing, ``indices[d]`` None where dim ``d`` is not indexed): where each
-    non-indexed dim of ``x`` lands in the result, where the broadcast index dims start, and their shape.
-
-    The index dims replace the indexed dims in place when those are adjacent, else they come first."""
+    non-indexed dim of ``x`` lands in the result, where the broadcast index dims start, and their shape. The
+    index dims replace the indexed dims in place when those are adjacent, else they come first."""
     indexed = [d for d, t in enumerate(indices) if t is not None]
     index_shape = tuple(torch.broadcast_shapes(*(tuple(indices[d].shape) for d in indexed)))
     adjacent = indexed == list(range(indexed[0], indexed[-1] + 1))

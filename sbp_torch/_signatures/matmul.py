@@ -22,8 +22,7 @@ aten = torch.ops.aten
 def _product_signatures(batch_dims: int) -> list[Signature]:
     """Signatures of (a[..., m, k], b[..., k, n]) → out[..., m, n] with ``batch_dims`` leading batch dims."""
     m, k = batch_dims, batch_dims + 1
-    signatures = [Signature((S(d), S(d)), (S(d),)) for d in range(batch_dims)]
-    signatures += [
+    return [Signature((S(d), S(d)), (S(d),)) for d in range(batch_dims)] + [
         Signature((S(m), B), (S(m),)),
         Signature((B, S(k)), (S(k),)),
         Signature((S(k), S(m)), (P,)),
@@ -31,7 +30,6 @@ def _product_signatures(batch_dims: int) -> list[Signature]:
         Signature((B, P), (P,)),
         Signature((B, B), (B,)),
     ]
-    return signatures
 
 
 @register(aten.mm)

@@ -49,7 +49,6 @@ def _masked(call: OpCall, grads: tuple) -> tuple:
     return tuple(g for g, wanted in zip(grads, call.bound["output_mask"]) if wanted)
 
 
-# ---------------------------------------------------------------------------------------------------------
 # layer norm
 
 
@@ -71,7 +70,6 @@ def layer_norm_backward(call: OpCall) -> list[Signature]:
     return signatures + [Signature((B,) * 4 + affine, _masked(call, (B, B, B)))]
 
 
-# ---------------------------------------------------------------------------------------------------------
 # group norm
 
 
@@ -98,7 +96,6 @@ def group_norm_backward(call: OpCall) -> list[Signature]:
     ]
 
 
-# ---------------------------------------------------------------------------------------------------------
 # batch norm
 
 PER_CHANNEL = ("weight", "bias", "running_mean", "running_var", "save_mean", "save_invstd")

@@ -39,31 +39,14 @@ EXTRA_POINTWISE = {
 #   "scale": one global input P(sum), the others B → P(sum) ("first" = only the first input may be partial)
 #   "copy":  one input, any partial kept (the value is not changed)
 PARTIAL_KINDS = {
-    aten.add.Tensor: "sum",
-    aten.add_.Tensor: "sum",
-    aten.sub.Tensor: "sum",
-    aten.sub_.Tensor: "sum",
-    aten.neg.default: "sum",
-    aten.neg_.default: "sum",
-    aten._neg_view.default: "sum",
-    aten._conj.default: "sum",
-    aten.conj_physical.default: "sum",
-    aten.copy_.default: "sum",
-    aten.mul.Tensor: "scale",
-    aten.mul_.Tensor: "scale",
-    aten.mul.Scalar: "scale",
-    aten.mul_.Scalar: "scale",
-    aten.div.Tensor: "scale_first",
-    aten.div_.Tensor: "scale_first",
-    aten.div.Scalar: "scale_first",
-    aten.div_.Scalar: "scale_first",
-    aten.clone.default: "copy",
-    aten.detach.default: "copy",
-    aten.alias.default: "copy",
-    aten.lift_fresh.default: "copy",
-    aten.positive.default: "copy",
+    **dict.fromkeys([aten.add.Tensor, aten.add_.Tensor, aten.sub.Tensor, aten.sub_.Tensor], "sum"),
+    **dict.fromkeys([aten.neg.default, aten.neg_.default, aten._neg_view.default], "sum"),
+    **dict.fromkeys([aten._conj.default, aten.conj_physical.default, aten.copy_.default], "sum"),
+    **dict.fromkeys([aten.mul.Tensor, aten.mul_.Tensor, aten.mul.Scalar, aten.mul_.Scalar], "scale"),
+    **dict.fromkeys([aten.div.Tensor, aten.div_.Tensor, aten.div.Scalar, aten.div_.Scalar], "scale_first"),
+    **dict.fromkeys([aten.clone.default, aten.detach.default, aten.alias.default, aten.lift_fresh.default], "copy"),
+    **dict.fromkeys([aten.positive.default, aten._to_copy.default], "copy"),
     aten.zero_.default: "copy",  # zero is the identity of sum, and a max/min of zeros is zero
-    aten._to_copy.default: "copy",
 }
 
 
@@ -105,8 +88,7 @@ def _partial_signatures(call: OpCall) -> list[Signature]:
 def pointwise(call: OpCall) -> list[Signature]:
     if not call.outputs:
         return []
-    out_shape = call.outputs[0].shape
-    n_out = len(call.outputs)
+    out_shape, n_out = call.outputs[0].shape, len(call.outputs)
     signatures = [
         Signature(tuple(operand_sbp(out_shape, x, d) for x in call.inputs), (S(d),) * n_out)
         for d in range(len(out_shape))

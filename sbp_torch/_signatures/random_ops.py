@@ -105,9 +105,8 @@ def bernoulli(call: OpCall) -> list[Signature]:
     """The input holds the probabilities: split or broadcast (a partial probability is no probability)."""
     if _uses_own_generator(call):
         return []
-    return [Signature((S(d),), (S(d),), "random") for d in range(call.inputs[0].ndim)] + [
-        Signature((B,), (B,), "random")
-    ]
+    splits = [Signature((S(d),), (S(d),), "random") for d in range(call.inputs[0].ndim)]
+    return splits + [Signature((B,), (B,), "random")]
 
 
 @register(*IN_PLACE, local_fns=LOCAL_FNS, outside=_advance_outside)

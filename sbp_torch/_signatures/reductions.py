@@ -14,10 +14,10 @@ broadcast. A split on a reduced dim gives what the table ``REDUCTIONS`` says:
     max.dim, min.dim, argmax, argmin, prod, var, std, var_mean, std_mean, logsumexp, nansum: none (boxed)
 
 "mean" divides the local sum by the *logical* count of reduced elements, so the parts still sum to the mean.
-"vector_norm" combines the local norms as ``norm_statistic`` says (sums of ``|x|**ord``, the largest or
-smallest ``|x|`` for infinite orders, counts of non-zeros for order 0) over the splitting axes, then takes
-the root. Max/min reductions need every rank to hold at least one element of each reduced dim
-(``check_nd``): an empty max has no value.
+"vector_norm" combines the local norms as ``norm_statistic`` says (sums of ``|x|**ord``, the largest or smallest
+``|x|`` for infinite orders, counts of non-zeros for order 0) over the splitting axes, then takes the root.
+Max/min reductions need every rank to hold at least one element of each reduced dim (``check_nd``): an empty
+max has no value.
 
 ``cumsum`` keeps a split on any dim but the scanned one, and a partial sum (it is linear).
 """
@@ -35,50 +35,24 @@ aten = torch.ops.aten
 MEAN = "mean"
 VECTOR_NORM = "vector_norm"
 
-# op -> (what a split of a reduced dim gives: a Partial, a local function's name or None; partials passed
-# through)
+# op -> (what a split of a reduced dim gives: a Partial, a local function's name or None; partials passed through)
 REDUCTIONS = {
-    aten.sum.default: (P, (P,)),
-    aten.sum.dim_IntList: (P, (P,)),
-    aten.count_nonzero.default: (P, ()),
-    aten.count_nonzero.dim_IntList: (P, ()),
-    aten.mean.default: (MEAN, (P,)),
-    aten.mean.dim: (MEAN, (P,)),
-    aten.amax.default: (P_MAX, (P_MAX,)),
-    aten.max.default: (P_MAX, (P_MAX,)),
-    aten.amin.default: (P_MIN, (P_MIN,)),
-    aten.min.default: (P_MIN, (P_MIN,)),
-    aten.any.default: (P_MAX, (P_MAX,)),
-    aten.any.dim: (P_MAX, (P_MAX,)),
-    aten.any.dims: (P_MAX, (P_MAX,)),
-    aten.all.default: (P_MIN, (P_MIN,)),
-    aten.all.dim: (P_MIN, (P_MIN,)),
-    aten.all.dims: (P_MIN, (P_MIN,)),
-    aten.linalg_vector_norm.default: (VECTOR_NORM, ()),
-    aten.norm.Scalar: (VECTOR_NORM, ()),
-    aten.norm.ScalarOpt_dim: (VECTOR_NORM, ()),
-    aten.norm.ScalarOpt_dim_dtype: (VECTOR_NORM, ()),
-    aten.norm.ScalarOpt_dtype: (VECTOR_NORM, ()),
-    aten.max.dim: (None, ()),
-    aten.min.dim: (None, ()),
-    aten.argmax.default: (None, ()),
-    aten.argmin.default: (None, ()),
-    aten.prod.default: (None, ()),
-    aten.prod.dim_int: (None, ()),
-    aten.var.default: (None, ()),
-    aten.var.dim: (None, ()),
-    aten.var.correction: (None, ()),
-    aten.std.default: (None, ()),
-    aten.std.dim: (None, ()),
-    aten.std.correction: (None, ()),
-    aten.var_mean.default: (None, ()),
-    aten.var_mean.dim: (None, ()),
-    aten.var_mean.correction: (None, ()),
-    aten.std_mean.default: (None, ()),
-    aten.std_mean.dim: (None, ()),
-    aten.std_mean.correction: (None, ()),
-    aten.logsumexp.default: (None, ()),
-    aten.nansum.default: (None, ()),
+    **dict.fromkeys([aten.sum.default, aten.sum.dim_IntList], (P, (P,))),
+    **dict.fromkeys([aten.count_nonzero.default, aten.count_nonzero.dim_IntList], (P, ())),
+    **dict.fromkeys([aten.mean.default, aten.mean.dim], (MEAN, (P,))),
+    **dict.fromkeys([aten.amax.default, aten.max.default], (P_MAX, (P_MAX,))),
+    **dict.fromkeys([aten.amin.default, aten.min.default], (P_MIN, (P_MIN,))),
+    **dict.fromkeys([aten.any.default, aten.any.dim, aten.any.dims], (P_MAX, (P_MAX,))),
+    **dict.fromkeys([aten.all.default, aten.all.dim, aten.all.dims], (P_MIN, (P_MIN,))),
+    **dict.fromkeys([aten.linalg_vector_norm.default, aten.norm.Scalar, aten.norm.ScalarOpt_dim], (VECTOR_NORM, ())),
+    **dict.fromkeys([aten.norm.ScalarOpt_dim_dtype, aten.norm.ScalarOpt_dtype], (VECTOR_NORM, ())),
+    **dict.fromkeys([aten.max.dim, aten.min.dim, aten.argmax.default, aten.argmin.default], (None, ())),
+    **dict.fromkeys([aten.prod.default, aten.prod.dim_int], (None, ())),
+    **dict.fromkeys([aten.var.default, aten.var.dim, aten.var.correction], (None, ())),
+    **dict.fromkeys([aten.std.default, aten.std.dim, aten.std.correction], (None, ())),
+    **dict.fromkeys([aten.var_mean.default, aten.var_mean.dim, aten.var_mean.correction], (None, ())),
+    **dict.fromkeys([aten.std_mean.default, aten.std_mean.dim, aten.std_mean.correction], (None, ())),
+    **dict.fromkeys([aten.logsumexp.default, aten.nansum.default], (None, ())),
 }
 
 # Partials of bools only: "or" of ors is an "or", but any() of a max of numbers is not an "or" of any()s.
@@ -100,16 +74,11 @@ def _order(call_or_args) -> float:
     return 2.0 if order is None else float(order)
 
 
-def _needs_nonempty(call: OpCall) -> bool:
-    """Whether the local reduction fails on an empty part: max/min, and norms of infinite order."""
-    split_gives, _ = REDUCTIONS[call.func]
-    if split_gives == VECTOR_NORM:
-        return math.isinf(_order(call.bound))
-    return split_gives in (P_MAX, P_MIN)
-
-
 def _every_part_nonempty(call: OpCall, combo: tuple[Signature, ...]) -> bool:
-    if not _needs_nonempty(call):
+    """Where the local reduction fails on an empty part (max/min, norms of infinite order), no part is empty."""
+    split_gives, _ = REDUCTIONS[call.func]
+    fails_on_empty = math.isinf(_order(call.bound)) if split_gives == VECTOR_NORM else split_gives in (P_MAX, P_MIN)
+    if not fails_on_empty:
         return True
     dims = reduced_dims(call.bound.get("dim"), call.inputs[0].ndim)
     return all(smallest_part(call, combo, 0, d) > 0 for d in dims)

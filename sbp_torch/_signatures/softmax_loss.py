@@ -38,7 +38,6 @@ SOFTMAX, NLL, MSE_MEAN = "softmax", "nll", "mse_mean"
 LOG_SOFTMAX_OPS = {aten._log_softmax.default, aten._log_softmax_backward_data.default}
 
 
-# ---------------------------------------------------------------------------------------------------------
 # softmax and log-softmax
 
 
@@ -86,7 +85,6 @@ def softmax_backward(call: OpCall) -> list[Signature]:
     return signatures + [Signature((B, B), (B,)), Signature((P, B), (P,))]
 
 
-# ---------------------------------------------------------------------------------------------------------
 # negative log-likelihood
 
 
@@ -177,7 +175,6 @@ def nll_loss_backward(call: OpCall) -> list[Signature]:
     return signatures + [Signature((B, B, B) + weight + (B,), (B,))]
 
 
-# ---------------------------------------------------------------------------------------------------------
 # mean squared error
 
 

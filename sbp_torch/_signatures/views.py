@@ -5,10 +5,9 @@ unchanged. A split passes through when the op leaves the split dim alone; it the
 split dim becomes (``S(1)`` of ``x.t()`` is ``S(0)``). A dim that the op changes (sliced, selected, flipped,
 rolled, expanded from 1, squeezed, concatenated along) cannot stay split; such inputs are boxed first.
 
-``view``/``_unsafe_view`` pair the input dims and the output dims (size-1 dims aside) into consecutive
-blocks with equal products: ``(6, 4, 5) -> (24, 5)`` has the blocks ``(6, 4) -> (24,)`` and ``(5,) -> (5,)``.
-A split of input dim ``d`` maps to the first dim of its block's output, if ``d`` is the first dim of its
-block and either
+``view``/``_unsafe_view`` pair the input dims and the output dims (size-1 dims aside) into consecutive blocks
+with equal products: ``(6, 4, 5) -> (24, 5)`` has the blocks ``(6, 4) -> (24,)`` and ``(5,) -> (5,)``. A split
+of input dim ``d`` maps to the first dim of its block's output, if ``d`` is the first dim of its block and either
 
 * the block is one unchanged dim (any split, balanced uneven ones included), or
 * the split is exact: the input dim and the output dim are both divisible by the number of parts along
@@ -35,7 +34,6 @@ def _norm(dim: int, ndim: int) -> int:
     return dim % ndim if ndim else 0
 
 
-# ---------------------------------------------------------------------------------------------------------
 # Which input dims keep their split, and the output dim each becomes: one function per op.
 
 
@@ -123,7 +121,7 @@ def _repeat(call: OpCall) -> dict[int, int]:
     return {d: d + lead for d in range(n) if repeats[d + lead] == 1}
 
 
-def _slice_backward(call: OpCall) -> dict[int, int]:
+def _slice_or_unfold_backward(call: OpCall) -> dict[int, int]:
     n = len(call.arg("input_sizes"))
     dim = _norm(call.arg("dim"), n)
     return {d: d for d in range(n) if d != dim}
@@ -135,16 +133,9 @@ def _select_backward(call: OpCall) -> dict[int, int]:
     return {d: d + (d >= dim) for d in range(n - 1)}
 
 
-def _unfold_backward(call: OpCall) -> dict[int, int]:
-    n = len(call.arg("input_sizes"))
-    dim = _norm(call.arg("dim"), n)
-    return {d: d for d in range(n) if d != dim}
-
-
 def view_blocks(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
-    """Consecutive groups of dims (size-1 dims left out) of ``src`` and ``dst`` with equal products.
-
-    ``src`` and ``dst`` must have the same, non-zero number of elements."""
+    """Consecutive groups of dims (size-1 dims left out) of ``src`` and ``dst`` with equal products. ``src`` and
+    ``dst`` must have the same, non-zero number of elements."""
     a = [d for d, n in enumerate(src) if n != 1]
     b = [d for d, n in enumerate(dst) if n != 1]
     blocks, i, j = [], 0, 0
@@ -163,13 +154,6 @@ def view_blocks(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[list[i
                 j += 1
         blocks.append((ins, outs))
     return blocks
-
-
-def _view(call: OpCall) -> dict[int, int]:
-    src, dst = call.inputs[0].shape, call.outputs[0].shape
-    if 0 in src:
-        return {}
-    return {ins[0]: outs[0] for ins, outs in view_blocks(src, dst)}
 
 
 def _exact_view_splits(call: OpCall, combo: tuple[Signature, ...]) -> bool:
@@ -209,9 +193,9 @@ SINGLE_INPUT_VIEWS = {
     aten.narrow_copy.default: (_other_dims("dim", 0), None),
     aten.unfold.default: (_other_dims("dimension", 0), None),
     aten.repeat.default: (_repeat, None),
-    aten.slice_backward.default: (_slice_backward, "local_size"),
+    aten.slice_backward.default: (_slice_or_unfold_backward, "local_size"),
     aten.select_backward.default: (_select_backward, "local_size"),
-    aten.unfold_backward.default: (_unfold_backward, "local_size"),
+    aten.unfold_backward.default: (_slice_or_unfold_backward, "local_size"),
 }
 VIEWS = {aten.view.default, aten._unsafe_view.default, aten._reshape_alias.default}
 
@@ -254,7 +238,9 @@ def single_input_view(call: OpCall) -> list[Signature]:
 
 @register(*VIEWS, check_nd=_exact_view_splits, local_fns=LOCAL_FNS)
 def view(call: OpCall) -> list[Signature]:
-    return _one_input(call, _view(call), "reshape")
+    src, dst = call.inputs[0].shape, call.outputs[0].shape
+    kept = {} if 0 in src else {ins[0]: outs[0] for ins, outs in view_blocks(src, dst)}
+    return _one_input(call, kept, "reshape")
 
 
 @register(aten.cat.default)

@@ -1,7 +1,5 @@
 """Differentiable boxing of a global tensor: to another SBP on its placement, or to another placement.
-
-Backward boxes the gradient back to ``gradient_sbp`` of the input's layout (see ``_gradient.py``).
-"""
+Backward boxes the gradient back to ``gradient_sbp`` of the input's layout (see ``_gradient.py``)."""
 
 import torch
 

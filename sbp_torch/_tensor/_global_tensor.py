@@ -1,10 +1,8 @@
 """GlobalTensor: a ``torch.Tensor`` subclass that reports the logical tensor and holds this rank's part;
 its differentiable ways back to plain tensors (``to_local``, ``full_tensor``); the gradient rule on it.
 
-The type knows nothing of how ops on it are run. Its two torch entry points, ``__torch_function__`` and
-``__torch_dispatch__``, call the handlers given to ``connect``, which ``sbp_torch/__init__.py`` calls once
-with the frontend and the dispatcher: the one place where this layer is wired to the layers above it.
-"""
+The type knows nothing of how ops on it run: its torch entry points call the handlers given to ``connect``,
+which ``sbp_torch/__init__.py`` calls once, the one place where this layer is wired to the layers above it."""
 
 import torch
 
@@ -34,12 +32,10 @@ def connect(torch_function, torch_dispatch) -> None:
 
 
 class GlobalTensor(torch.Tensor):
-    """A logical tensor laid out over the ranks of a placement by one SBP per placement axis.
-
-    PyTorch sees the logical shape, stride and dtype; the data of this rank is ``to_local()``. Every op on it
-    is run by sbp_torch, which picks a layout and inserts the collectives. Build one with
-    ``Tensor.to_global`` or the creation functions, not directly.
-    """
+    """A logical tensor laid out over the ranks of a placement by one SBP per placement axis. PyTorch sees the
+    logical shape, stride and dtype; this rank's data is ``to_local()``. sbp_torch runs every op on it, picking a
+    layout and inserting the collectives. Build one with ``Tensor.to_global`` or the creation functions, not
+    directly."""
 
     _local: torch.Tensor
     _meta: GlobalMeta
@@ -149,17 +145,12 @@ class _FullTensor(torch.autograd.Function):
 
 
 def to_local(x: GlobalTensor, *, grad_sbp=None) -> torch.Tensor:
-    """This rank's part of ``x`` (an empty tensor on a rank outside the placement).
-
-    Differentiable: the local gradient becomes a global gradient laid out as ``grad_sbp`` (default
-    ``gradient_sbp(x.sbp)``: broadcast for broadcast and partial-sum tensors, so ranks must agree on it).
-    """
+    """This rank's part of ``x`` (an empty tensor on a rank outside the placement). Differentiable: the local
+    gradient becomes a global gradient laid out as ``grad_sbp`` (default ``gradient_sbp(x.sbp)``: broadcast for
+    broadcast and partial-sum tensors, so ranks must agree on it)."""
     if not isinstance(x, GlobalTensor):
         raise TypeError(f"to_local takes a global tensor, got a plain {type(x).__name__}")
-    if grad_sbp is None:
-        target = gradient_sbp(x.sbp)
-    else:
-        target = normalize_sbp(grad_sbp, x.placement, x.dim(), x.dtype)
+    target = gradient_sbp(x.sbp) if grad_sbp is None else normalize_sbp(grad_sbp, x.placement, x.dim(), x.dtype)
     return _ToLocal.apply(x, target)
 
 

@@ -3,8 +3,7 @@
 The gradient of a global tensor with SBP ``s`` has SBP ``gradient_sbp(s)`` per axis (S(d) -> S(d), B -> B,
 P(sum) -> B, P(max|min) -> P(sum)), chosen so that its local parts are the gradients of the local parts. For
 P(max|min) each rank's share is the output gradient where its part attains the extreme (split evenly between
-ties), which is why those parts sum to the gradient.
-"""
+ties), which is why those parts sum to the gradient."""
 
 import torch
 

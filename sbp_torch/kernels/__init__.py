@@ -1,9 +1,7 @@
-"""Fused transformer kernels as ``torch.library`` custom ops (``torch.ops.sbp_torch.*``).
+"""Fused transformer kernels as ``torch.library`` custom ops (``torch.ops.sbp_torch.*``); see docs/kernels.md.
 
-Each op has a pure-PyTorch reference implementation (the one that runs on CPU, equal to the unfused
-expression it replaces), a fake implementation for tracing, an autograd formula, and an SBP rule
-(``_rules.py``, registered in the signature table on import) so it runs on global tensors. See
-docs/kernels.md.
+Each op has a pure-PyTorch reference (what runs on CPU, equal to the unfused expression it replaces), a fake
+implementation for tracing, an autograd formula, and an SBP rule (``_rules.py``, registered on import).
 """
 
 from . import _rules  # noqa: F401  (registers the ops' signature rules)

@@ -1,9 +1,8 @@
 """``bias_dropout_add(x, bias, residual, p)``: ``dropout(x + bias, p) + residual`` as one op.
 
-The dropout mask follows the project's randomness rule (``sbp_torch/_layout/_random.py``): element ``i`` is kept when
-the ``i``-th uniform draw of a fresh random tensor of the logical shape is ``< 1 - p``, so the logical result
-does not depend on how the tensor is split (CPU: ``torch.rand`` of the logical shape; CUDA: offset-based
-Philox). The op returns ``(out, mask)``; the mask is kept for the backward.
+The op returns ``(out, mask)``; the mask is kept for the backward. Element ``i`` is kept when the ``i``-th
+uniform draw of a fresh random tensor of the logical shape is ``< 1 - p`` (``sbp_torch/_layout/_random.py``,
+docs/randomness.md), so the logical result does not depend on how the tensor is split.
 """
 
 import torch
@@ -59,14 +58,9 @@ bias_dropout_add_op.register_autograd(_backward, setup_context=_setup)
 
 
 def bias_dropout_add(x, bias, residual, p: float, training: bool = True) -> torch.Tensor:
-    """``F.dropout(x + bias, p, training) + residual`` with the project's layout-independent mask.
-
-    Args:
-        x, residual: ``[..., H]``, the same shape.
-        bias: ``[H]``.
-        p: drop probability in ``[0, 1]``.
-        training: without it (or with ``p == 0``) no mask is drawn and the generator does not advance.
-    """
+    """``F.dropout(x + bias, p, training) + residual`` with the project's layout-independent mask, for ``x`` and
+    ``residual`` of one shape ``[..., H]``, ``bias`` ``[H]`` and ``p`` in ``[0, 1]``. Without ``training`` (or
+    with ``p == 0``) no mask is drawn and the generator does not advance."""
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"bias_dropout_add: p must be in [0, 1], got {p}")
     if residual.shape != x.shape:

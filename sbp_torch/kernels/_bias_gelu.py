@@ -33,13 +33,8 @@ bias_gelu_op.register_autograd(_backward, setup_context=_setup)
 
 
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
-    """``F.gelu(x + bias, approximate=approximate)``, ``bias`` of shape ``[x.shape[-1]]``.
-
-    Args:
-        x: input of any shape ``[..., H]``.
-        bias: ``[H]``.
-        approximate: ``"tanh"`` or ``"none"`` (erf), as ``F.gelu`` names them.
-    """
+    """``F.gelu(x + bias, approximate=approximate)`` for ``x`` ``[..., H]`` and ``bias`` ``[H]``; ``approximate``
+    is ``"tanh"`` or ``"none"`` (erf), as ``F.gelu`` names them."""
     if approximate not in ("tanh", "none"):
         raise ValueError(f"bias_gelu: approximate must be 'tanh' or 'none', got {approximate!r}")
     check_last_dim_param("bias_gelu", x, bias)

@@ -3,7 +3,7 @@
 The forward keeps a running max and sum of exponentials over column chunks, so besides the logits it holds
 one chunk and a few numbers per row; it returns the loss and each row's log-sum-exp ``lse``, from which the
 backward (its own op) recomputes ``softmax = exp(logits - lse)``. The same pieces make the vocabulary-parallel
-kernel (``_signatures/kernels.py``): per-rank max and sum-exp combined across ranks as a max and a sum.
+kernel (``_rules.py``): per-rank max and sum-exp combined across ranks as a max and a sum.
 """
 
 import torch

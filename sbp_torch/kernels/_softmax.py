@@ -1,5 +1,4 @@
-"""``scale_mask_softmax(x, mask, scale, causal)``: softmax over the last dim of ``x * scale`` with masked
-positions (``mask`` True) and, if ``causal``, positions above the diagonal of the last two dims excluded."""
+"""``scale_mask_softmax(x, mask, scale, causal)``: a masked, optionally causal softmax of ``x * scale`` as one op."""
 
 import torch
 
@@ -40,10 +39,8 @@ scale_mask_softmax_op.register_autograd(_backward, setup_context=_setup)
 
 def scale_mask_softmax(x, mask=None, scale: float = 1.0, causal: bool = False) -> torch.Tensor:
     """``softmax(x * scale)`` over the last dim, excluding positions where ``mask`` is True (a bool tensor
-    broadcastable to ``x``) and, with ``causal``, those above the diagonal of the last two dims.
-
-    A row with every position excluded gives NaN, as the unfused ``masked_fill(-inf)`` + softmax does.
-    """
+    broadcastable to ``x``) and, with ``causal``, those above the diagonal of the last two dims. A row with every
+    position excluded gives NaN, as the unfused ``masked_fill(-inf)`` + softmax does."""
     if mask is not None and mask.dtype != torch.bool:
         raise TypeError(f"scale_mask_softmax: mask must be bool (True = excluded), got {mask.dtype}")
     if causal and x.dim() < 2:

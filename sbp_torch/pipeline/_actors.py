@@ -1,23 +1,9 @@
 """The actor runtime: registers with slot quotas, actors that fire when readable and free, one loop per rank.
 
-It knows nothing of tensors, placements or torch.distributed. (A C++ version of this loop was measured
-against it: it fires an actor in 0.9 µs instead of 11 µs, but a pipeline step of tiny stages took the same
-time with either, within noise, so only this one is kept; see docs/pipeline.md.)
-
-* A ``Register`` is an actor's output: a FIFO of at most ``slots`` entries. ``produce`` fills a slot (the
-  "produced" message to its consumer), ``take`` hands the oldest entry to the consumer, and ``release``
-  frees a slot (the "consumed" message back to the producer). A register with ``read_when_full`` is read
-  only when it is full or its producer has finished: its consumer waits for the quota to run out, which is
-  how a stage's backward yields to its forward until the forward may not run ahead any further.
-* An ``Actor`` fires ``count`` times. It is ready when each input register has an entry it may read and
-  each output register has a free slot. Firing calls ``body(index, inputs)``, which returns the values for
-  the output registers, or (for an asynchronous actor) a ``Pending`` whose ``poll()`` says when its values
-  are ready: transfers post their sends and receives and the loop goes on with compute meanwhile.
-* ``Runtime.run()`` is the loop of one rank: complete finished asynchronous work, then fire the first
-  ready actor in the order they were added (that order is the priority), until every actor has fired its
-  count. When nothing is ready it sleeps until asynchronous work calls ``Runtime.notify``. There is no
-  coordinator: actors on other ranks are reached only through the messages that the transfer actors'
-  bodies exchange.
+It knows nothing of tensors, placements or torch.distributed; docs/pipeline.md ("The actor model") describes it.
+``Runtime.run()`` is the loop of one rank: it completes finished asynchronous work, then fires the first ready
+actor in the order they were added (that order is the priority), until every actor has fired its count. There
+is no coordinator: actors on other ranks are reached only through the messages that transfer actors exchange.
 """
 
 import threading
@@ -27,7 +13,9 @@ from dataclasses import dataclass, field
 
 
 class Register:
-    """An actor's output: up to ``slots`` entries that its one consumer reads in order and then releases."""
+    """An actor's output: a FIFO of up to ``slots`` entries that its one consumer takes in order and releases.
+    With ``read_when_full`` it is readable only when full or when its producer has finished: that is how a
+    stage's backward yields to its forward until the forward may not run ahead any further."""
 
     def __init__(self, name: str, slots: int, *, read_when_full: bool = False):
         if slots < 1:
@@ -69,10 +57,9 @@ class Pending:
 
 @dataclass
 class Actor:
-    """Fires ``count`` times; ``body(index, inputs) -> outputs`` (a tuple, one value per output) or Pending.
-
-    Inputs are released when the body returns (``keep`` names inputs whose slot the body releases later,
-    e.g. a forward's saved activations, released by the backward)."""
+    """Fires ``count`` times, when each input has an entry it may read and each output a free slot;
+    ``body(index, inputs) -> outputs`` (a tuple, one value per output) or Pending. The inputs' slots are
+    released when the body returns."""
 
     name: str
     body: object
@@ -143,8 +130,7 @@ class Runtime:
         else:
             self._finish(actor, index, start, out)
 
-    def _poll(self) -> bool:
-        progressed = False
+    def _poll(self) -> None:
         for item in list(self.pending):
             actor, index, start, work = item
             values = work.poll()
@@ -152,8 +138,6 @@ class Runtime:
                 self.pending.remove(item)
                 actor.busy = False
                 self._finish(actor, index, start, values)
-                progressed = True
-        return progressed
 
     def run(self) -> None:
         """Fire actors until each has fired ``count`` times."""

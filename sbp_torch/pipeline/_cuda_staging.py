@@ -1,18 +1,9 @@
 """Stage transfers of CUDA pipelines: compute and transfers on separate CUDA streams, ordered by events.
 
-A pipeline's activations and gradients travel over the process group's CPU transport (gloo), so on CUDA they
-leave and enter the device through pinned host memory. ``Staging`` does those copies on one copy stream per
-channel (a lane), with a ``StreamScheduler``:
-
-* leaving: the actor loop ``mark``s the compute stream right after the forward or backward that made the
-  tensor (a ticket for "what is queued so far"); the channel's lane thread queues the device-to-host copies
-  behind that ticket on its copy stream, waits for them (its own thread only), then sends;
-* arriving: the lane thread receives into pinned memory and queues the host-to-device copy on its copy
-  stream; the actor loop makes the compute stream wait for it on the device (``order``) and goes on at once,
-  so the next stage's kernels queue behind the copy without the host waiting.
-
-The scheduler's copy streams run at the device's highest priority, and its events are pooled and named by
-integer tickets, so the lane threads and the actor loop hand each other plain integers.
+Activations and gradients travel over the process group's CPU transport (gloo), so on CUDA they leave and enter
+the device through pinned host memory, copied on one highest-priority copy stream per channel (a lane). A
+leaving tensor's copy waits for a ticket marked on the compute stream right after the work that made it;
+compute waits for an arriving tensor's copy on the device, not on the host. See docs/pipeline.md, "On CUDA".
 """
 
 import threading
@@ -144,11 +135,10 @@ class Staging:
 
     def to_device(self, channel, host: torch.Tensor) -> tuple[torch.Tensor, int]:
         """(Lane thread.) A device copy of pinned ``host`` (kept alive until the copy has run), queued on the
-        channel's copy stream; returns it and the ticket of its copy, which ``arrive`` hands to compute.
-
-        The copy's memory is allocated on the copy stream: memory of the compute stream's pool may still be in
-        use by compute queued there, which the copy stream does not wait for (a race seen on an H100). Compute,
-        which uses and frees it later, is recorded on it, so the allocator waits for that use before reuse."""
+        channel's copy stream; returns it and the ticket of its copy, which ``arrive`` hands to compute. Its
+        memory is allocated on the copy stream: memory of the compute stream's pool may still be in use by
+        compute queued there, which the copy stream does not wait for (a race seen on an H100). Compute, which
+        uses and frees it later, is recorded on it, so the allocator waits for that use before reuse."""
         lane, stream = self._lane(channel)
         with torch.cuda.stream(stream):
             out = torch.empty(host.shape, dtype=host.dtype, device=self.device)

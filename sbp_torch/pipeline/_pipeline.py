@@ -1,18 +1,10 @@
 """Pipeline parallelism: stages on their own placements, run by the actor runtime (``_actors.py``).
 
-Each stage is an ``nn.Module`` already laid out on its own placement with ``Module.to_global`` (it may be data
-or tensor parallel inside). ``Pipeline.step`` splits a batch into micro-batches and runs every micro-batch's
-forward and backward; each rank runs the actors of its own stage only:
-
-    recv activation -> forward -> send activation          (stage s, micro-batch i)
-    recv gradient   -> backward -> send gradient
-
-The forward's output register holds the micro-batch's saved activations until its backward releases them;
-its slot count is the schedule's quota (``SCHEDULES``), and the backward reads it only when it is full or
-every forward has run. So a stage runs forwards until its quota is used up, then one backward per freed slot:
-with ``m`` slots every forward comes first (GPipe), with ``p - s`` slots stage ``s`` keeps at most ``p - s``
-micro-batches in flight and alternates one forward, one backward (1F1B). No loop in this module says which
-comes next.
+Each stage is an ``nn.Module`` laid out on its own placement with ``Module.to_global`` (it may be data or tensor
+parallel inside); each rank runs the actors of its own stages only. A stage's forward register holds each micro-batch's
+saved activations until its backward releases them; its slot count is the schedule's quota (``SCHEDULES``), and the
+backward reads it only when it is full or every forward has run. So the schedule emerges from the quotas (``m`` slots:
+GPipe; ``p - s``: 1F1B); no loop here says which comes next. See docs/pipeline.md.
 
     pipe = Pipeline([stage0, stage1], F.cross_entropy, micro_batches=8, schedule="1f1b")
     loss = pipe.step(inputs, targets)    # gradients accumulated into the stages' parameters
@@ -104,8 +96,8 @@ def _check_placements(placements: list) -> None:
 
 
 def _staging(placement):
-    """The device side of a pipeline on CUDA (``_cuda_staging.Staging``), None on CPU. Stage transfers travel as
-    pinned host memory over the default group's CPU backend, which a CUDA pipeline therefore needs."""
+    """The device side of a CUDA pipeline (``_cuda_staging.Staging``), None on CPU; the default group needs a
+    CPU backend, which carries the stage transfers."""
     if placement.type != "cuda":
         return None
     try:
@@ -119,15 +111,18 @@ def _staging(placement):
     return Staging(placement.device())
 
 
-def _part(full: torch.Tensor, meta: GlobalMeta) -> GlobalTensor:
-    """The global tensor of ``meta`` whose logical value is ``full`` (the same on every rank)."""
+def _part(full: torch.Tensor, placement, sbp) -> GlobalTensor:
+    """The global tensor on ``placement``, laid out as ``sbp`` (default broadcast), whose logical value is
+    ``full`` (the same on every rank)."""
+    sbp = normalize_sbp(sbp or (broadcast,) * placement.ndim, placement, full.dim(), full.dtype)
+    meta = GlobalMeta(tuple(full.shape), full.dtype, placement, sbp)
     coord = meta.placement.local_coord()
     local = full.new_empty((0,)) if coord is None else narrow_to(full, *meta.region(coord)).contiguous()
     return GlobalTensor(local, meta)
 
 
 class Pipeline:
-    """A training step over stages on their own placements, run by register quotas (see module docstring).
+    """A training step over stages on their own placements, run by register quotas (see docs/pipeline.md).
 
     Args:
         stages: ``nn.Module``s, each laid out on one placement with ``to_global``; disjoint placements that
@@ -193,7 +188,12 @@ class Pipeline:
         store = dist.distributed_c10d._get_default_store()
         key = f"sbp_torch/pipeline/{self._id}/{self._steps}/error"
         self._steps += 1
-        runtime = actors.Runtime(check=_store_watch(store, key))
+
+        def stop_if_failed():  # the runtime calls it while idle; another rank's stage may have failed
+            if store.check([key]):
+                raise _Stopped
+
+        runtime = actors.Runtime(check=stop_if_failed)
         self.tied.begin_step()
         losses = []
         lanes = self._lanes
@@ -207,7 +207,6 @@ class Pipeline:
         for _, computes, _ in built.values():
             for actor in computes:
                 runtime.add(actor)
-        forwards = {stage: forward for stage, (_, _, forward) in built.items()}
         failure = None
         try:
             runtime.run()
@@ -223,7 +222,7 @@ class Pipeline:
                 + "".join(traceback.format_exception(err)),
             )
         self.events = runtime.events
-        self.peak_activations = {stage: forwards[stage].peak for stage in self.local_stages}
+        self.peak_activations = {stage: built[stage][2].peak for stage in self.local_stages}
         report = dist.get_rank() == self.placements[-1].flat_ranks[0]
         flag = torch.tensor(
             [float(sum(losses)) if report and failure is None else 0.0, float(failure is not None)], dtype=torch.float64
@@ -265,45 +264,27 @@ class Pipeline:
         def tag(boundary: int, direction: int, i: int) -> int:
             return ((boundary * 2 + direction) * m + i) * transfer.TAGS_PER_TRANSFER
 
-        def receiving(src, boundary, direction, requires_grad):
+        def receiving(name, src, boundary, direction, requires_grad, register):
             def body(i, _):
-                poll = transfer.recv(
-                    src, here, tag(boundary, direction, i), requires_grad, lanes, self._channel(boundary, direction)
-                )
+                channel = self._channel(boundary, direction)
+                poll = transfer.recv(src, here, tag(boundary, direction, i), requires_grad, lanes, channel)
                 return Pending(lambda: (lambda x: None if x is None else (x,))(poll()))
 
-            return body
+            return Actor(name, body, m, outputs=[register], kind="transfer")
 
-        def sending(dst, boundary, direction):
+        def sending(name, dst, boundary, direction, register):
             def body(i, inputs):
-                poll = transfer.send(
-                    inputs[0], dst, tag(boundary, direction, i), lanes, self._channel(boundary, direction)
-                )
+                channel = self._channel(boundary, direction)
+                poll = transfer.send(inputs[0], dst, tag(boundary, direction, i), lanes, channel)
                 return Pending(lambda: () if poll() else None)
 
-            return body
+            return Actor(name, body, m, inputs=[register], kind="transfer")
 
         def forward_body(i, inputs):
-            if first:
-                sbp = self.input_sbp or (broadcast,) * here.ndim
-                x = _part(
-                    xs[i],
-                    GlobalMeta(
-                        tuple(xs[i].shape), xs[i].dtype, here, normalize_sbp(sbp, here, xs[i].dim(), xs[i].dtype)
-                    ),
-                )
-            else:
-                x = inputs[0]
+            x = _part(xs[i], here, self.input_sbp) if first else inputs[0]
             y = module(x)
             if last:
-                sbp = self.target_sbp or (broadcast,) * here.ndim
-                t = _part(
-                    ys[i],
-                    GlobalMeta(
-                        tuple(ys[i].shape), ys[i].dtype, here, normalize_sbp(sbp, here, ys[i].dim(), ys[i].dtype)
-                    ),
-                )
-                loss = self.loss_fn(y, t)
+                loss = self.loss_fn(y, _part(ys[i], here, self.target_sbp))
                 losses.append(loss.detach().full_tensor() * weights[i])  # read at the step's end: no sync here
                 return ((x, loss * weights[i]),)
             return (x, y), _sendable(y)
@@ -322,40 +303,12 @@ class Pipeline:
 
         transfers = []
         if not first:
-            transfers.append(
-                Actor(
-                    f"recv activation s{s}",
-                    receiving(self.placements[s - 1], s - 1, 0, True),
-                    m,
-                    outputs=[act_in],
-                    kind="transfer",
-                )
-            )
+            transfers.append(receiving(f"recv activation s{s}", self.placements[s - 1], s - 1, 0, True, act_in))
         if not last:
-            transfers.append(
-                Actor(
-                    f"recv gradient s{s}",
-                    receiving(self.placements[s + 1], s, 1, False),
-                    m,
-                    outputs=[grad_in],
-                    kind="transfer",
-                )
-            )
-            transfers.append(
-                Actor(
-                    f"send activation s{s}", sending(self.placements[s + 1], s, 0), m, inputs=[act_out], kind="transfer"
-                )
-            )
+            transfers.append(receiving(f"recv gradient s{s}", self.placements[s + 1], s, 1, False, grad_in))
+            transfers.append(sending(f"send activation s{s}", self.placements[s + 1], s, 0, act_out))
         if not first:
-            transfers.append(
-                Actor(
-                    f"send gradient s{s}",
-                    sending(self.placements[s - 1], s - 1, 1),
-                    m,
-                    inputs=[grad_out],
-                    kind="transfer",
-                )
-            )
+            transfers.append(sending(f"send gradient s{s}", self.placements[s - 1], s - 1, 1, grad_out))
         computes = [
             Actor(
                 f"forward s{s}",
@@ -400,13 +353,3 @@ def _sendable(t: GlobalTensor) -> GlobalTensor:
 
 class _Stopped(Exception):
     """Another rank's stage failed: leave the loop and join the step-end check."""
-
-
-def _store_watch(store, key: str):
-    """A check for the runtime's idle loop: raises _Stopped once ``key`` is set."""
-
-    def check():
-        if store.check([key]):
-            raise _Stopped
-
-    return check

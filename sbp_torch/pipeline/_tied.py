@@ -1,17 +1,11 @@
 """Parameters tied across pipeline stages: one logical weight used by two stages on different placements.
 
-A model may use one parameter in two places (GPT's token embedding is its LM head). When the two users are
-on different stages, no single tensor can serve both, so each stage holds its own copy, as Megatron-LM does
-for the embedding of its first and last stages:
-
-* when the pipeline is built, every copy takes the value of the first one named;
-* after each step's backward, every copy's gradient gains what the other copies accumulated during that step,
-  so each holds the gradient the one shared parameter would have had. An optimizer that updates each
-  parameter from its own value, gradient and state (SGD, Adam, AdamW, ...) then keeps the copies equal.
-
-Copies may differ in placement and SBP (a split embedding on stage 0, a broadcast head on stage 3). Moving
-values and gradients between them is cross-placement boxing, which every rank runs (SPMD); ranks outside a
-copy's placement take part only as senders or receivers.
+Each stage holds its own copy, as Megatron-LM does for the embedding of its first and last stages. When the
+pipeline is built, every copy takes the value of the first one named; after each step's backward, every copy's
+gradient gains what the other copies accumulated during that step, so each holds the gradient the one shared
+parameter would have had, and an optimizer that updates each parameter from its own value, gradient and state
+(SGD, Adam, AdamW, ...) keeps the copies equal. Copies may differ in placement and SBP: moving values and
+gradients between them is cross-placement boxing, which every rank runs. See docs/pipeline.md.
 """
 
 import torch
@@ -62,10 +56,7 @@ class TiedParameters:
                 )
             self.groups.append(list(params))
         self._before: list[list] = []
-        self._copy_first_values()
-
-    def _copy_first_values(self) -> None:
-        with torch.no_grad():
+        with torch.no_grad():  # every copy takes the first one's value
             for first, *copies in self.groups:
                 for p in copies:
                     value = first.detach().to_global(p.placement, p.sbp)

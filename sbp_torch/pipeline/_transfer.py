@@ -1,21 +1,13 @@
 """Moving a global tensor from one stage's placement to another's, asynchronously, for the pipeline's transfer
-actors.
+actors (docs/pipeline.md, "Transfers").
 
-The sender does not block: ``send`` posts the pieces with ``isend`` and returns a poll that reports when
-they are gone. The receiver does not know the tensor's shape or SBP in advance (micro-batches may differ in
-size, a stage may return a split or partial activation), so the first rank of the source placement sends a
-small header (pickled shape, dtype and SBP) to every destination rank. Waiting for the header before posting
-the data's receives would put a second rendezvous on every hand-over, so ``recv`` posts the header's receive
-and, at once, the receives of the layout it guesses: the last one on this channel (``Channel``), which the
-sender knows too. A right guess (the usual case: micro-batches of one size) costs nothing more; after a wrong
-one the sender has answered the guessed receives with zeros and sends the real pieces under the next tags.
-The destination part is built from the pieces, which are those of the
-cross-placement plan (``_boxing.cross_placement``), so each destination rank receives only the box it needs.
-A partial source is reduced inside its stage (``to_global`` on the source placement, run by the caller, which
-every rank of the stage reaches in the same order) before it is sent, so pieces never overlap.
-
-On CUDA the pieces leave and enter the device through pinned host memory, on each channel's own copy stream,
-ordered against compute by events (``_cuda_staging.Staging``); the wire is the same.
+``send`` and ``recv`` return polls; their work runs on the channel's lane (``Lanes``). Each destination rank
+receives only its box of the cross-placement plan (``_boxing.cross_placement``); a partial source is reduced
+inside its stage by the caller before it is sent, so pieces never overlap. The receiver does not know the
+tensor's layout in advance, so the first source rank sends a header (shape, dtype, SBP). So that the data need
+not wait for it, the receiver posts at once the receives of the layout it guesses: the channel's last
+(``Channel``), which the sender knows too. A wrong guess is answered with zeros, then the real pieces follow
+under the next tags. On CUDA the pieces pass through pinned host memory (``_cuda_staging.Staging``).
 """
 
 import functools
@@ -70,20 +62,13 @@ class Cancelled(Exception):
 class Lanes:
     """The threads that run a pipeline's transfers, and a record of the point-to-point work each step posted.
 
-    gloo's point-to-point work reports completion only through ``wait()``, which releases the GIL, so waiting
-    on other threads lets the actor loop go on with compute meanwhile. Each channel has one *lane*: a thread
-    that runs the channel's transfers one after the other. A channel moves one transfer at a time anyway (its
-    actor fires again only when the last one is done), and handing work to a waiting thread costs far less
-    than starting one per transfer, which sat on every hand-over's critical path. Lanes live as long as their
-    pipeline (``close`` ends them; the pipeline arranges it for when it is collected or the process exits),
-    so a step starts none.
-
-    When a step fails, ranks stop with sends and receives posted that their peers will never match, and the
-    lanes waiting on them would never finish. Every send and receive goes through ``isend`` / ``irecv``, which
-    record it, so ``drain`` can answer each one left without its other half.
-
-    ``staging`` (a ``_cuda_staging.Staging``, for CUDA stages) moves pieces between the device and the pinned
-    host memory that the wire carries."""
+    gloo's point-to-point work reports completion only through ``wait()``, which releases the GIL, so each channel
+    has a *lane*: a thread that runs the channel's transfers one after the other (its actor fires again only when the
+    last is done) while the actor loop goes on with compute. Lanes live as long as their pipeline (``close`` ends
+    them): starting a thread per transfer sat on every hand-over's critical path. Every send and receive goes through
+    ``isend`` / ``irecv``, which record it, so that after a failed step ``drain`` can answer each one whose peer
+    never posted the other half. ``staging`` (a ``_cuda_staging.Staging``, for CUDA stages) moves pieces between the
+    device and the pinned host memory that the wire carries."""
 
     def __init__(self, staging=None):
         self.staging = staging
@@ -215,16 +200,16 @@ class Channel:
 
 
 def _destination(src: GlobalMeta, dst_placement) -> GlobalMeta:
-    return GlobalMeta(src.shape, src.dtype, dst_placement, _receiver_sbp(src.sbp, dst_placement))
+    """The layout a stage receives: the sender's SBP where it fits the destination's axes, else broadcast."""
+    sbp = partials_as_broadcast(src.sbp) if len(src.sbp) == dst_placement.ndim else (broadcast,) * dst_placement.ndim
+    return GlobalMeta(src.shape, src.dtype, dst_placement, sbp)
 
 
 def send(x: GlobalTensor, dst_placement, tag: int, lanes: Lanes, channel: Channel):
-    """Post this rank's pieces of ``x`` (no partial axes) towards ``dst_placement``; returns a poll:
-    ``() -> True`` once every send completed (``lanes.notify()`` is called then).
-
-    Tags from ``tag`` on: the header, then the pieces of the layout the receivers guessed (the channel's last),
-    then, if the guess is wrong, the real pieces after those. A wrong guess is answered with zeros of the
-    guessed sizes, so that no posted receive is left waiting."""
+    """Post this rank's pieces of ``x`` (no partial axes) towards ``dst_placement``; returns a poll: ``() -> True``
+    once every send completed (the step's ``notify`` is called then). Tags from ``tag`` on: the header, then the
+    pieces of the layout the receivers guessed (the channel's last), then, if the guess is wrong, the real pieces
+    after those. A wrong guess is answered with zeros of the guessed sizes, so no posted receive is left waiting."""
     me, meta = dist.get_rank(), x._meta
     guess, channel.last = channel.last, meta
     first = tag + 1
@@ -262,13 +247,6 @@ def send(x: GlobalTensor, dst_placement, tag: int, lanes: Lanes, channel: Channe
     return lanes.start(channel, post_and_wait)
 
 
-def _receiver_sbp(src_sbp: tuple, dst_placement) -> tuple:
-    """The layout a stage receives: the sender's SBP where it fits the destination's axes, else broadcast."""
-    if len(src_sbp) == dst_placement.ndim:
-        return partials_as_broadcast(src_sbp)
-    return (broadcast,) * dst_placement.ndim
-
-
 def _post_receives(src: GlobalMeta, dst_placement, first_tag: int, lanes: Lanes, posted: list):
     """Post this rank's receives of the pieces of a tensor of ``src``, under tags from ``first_tag`` on, into
     ``posted``; returns (finish, the number of pieces of the plan), where ``finish()``, once they are waited
@@ -299,11 +277,8 @@ def _post_receives(src: GlobalMeta, dst_placement, first_tag: int, lanes: Lanes,
 
 def recv(src_placement, dst_placement, tag: int, requires_grad: bool, lanes: Lanes, channel: Channel):
     """Post the receives of a tensor sent by ``send`` from ``src_placement``; returns a poll:
-    ``() -> GlobalTensor`` on ``dst_placement`` (a leaf) once it has arrived, None before.
-
-    The header and, guessing that the layout is the channel's last one, the pieces are posted at once, so the
-    data need not wait for the header to arrive first. A wrong guess receives zeros, then the real pieces.
-    Posting and waiting both happen on the channel's lane, so the actor loop only hands the work over."""
+    ``() -> GlobalTensor`` on ``dst_placement`` (a leaf) once it has arrived, None before. The header and the
+    guessed pieces are posted at once, and waited for, on the channel's lane (see the module docstring)."""
 
     def receive(posted):
         header = torch.empty(HEADER_BYTES, dtype=torch.uint8)
