@@ -30,7 +30,7 @@ from ._api import (
 )
 from ._boxing import BoxingPlan, BoxingStep, plan_boxing
 from ._comm import CollectiveError
-from ._dispatch import MixedTensorError, dispatch, implicit_broadcast, set_strict, strict
+from ._dispatch import MixedTensorError, implicit_broadcast, set_strict, strict, torch_dispatch
 from ._frontend import torch_function
 from ._layout import Placement as placement
 from ._layout import normalize_sbp
@@ -75,7 +75,7 @@ def boxing_plan(x: GlobalTensor, sbp) -> BoxingPlan:
 
 # The one place where the layers are wired together: the tensor type's torch entry points go to the
 # frontend and the dispatcher, and torch's own classes gain the conversions.
-connect(torch_function=torch_function, torch_dispatch=dispatch)
+connect(torch_function=torch_function, torch_dispatch=torch_dispatch)
 torch.Tensor.to_global = to_global
 torch.nn.Module.to_global = module_to_global
 torch.Tensor.is_global = property(lambda self: isinstance(self, GlobalTensor), doc="Whether this is a global tensor.")

@@ -23,6 +23,7 @@ from ._modes import IMPLICIT_BROADCAST
 from ._schema import op_schema
 
 CALLS = LruCache()
+_cached = CALLS.get  # (bound once: the hit path is read on every op)
 
 # Where the ops this thread dispatches are recorded (see ``recording``); None when not recording.
 _RECORDER: contextvars.ContextVar = contextvars.ContextVar("sbp_torch_recorder", default=None)
@@ -33,13 +34,18 @@ class MixedTensorError(RuntimeError):
     ``a + b`` into Python's generic "unsupported operand" message, which would hide this one.)"""
 
 
+def torch_dispatch(cls, func, types, args=(), kwargs=None):
+    """``GlobalTensor.__torch_dispatch__``."""
+    return dispatch(func, args, kwargs or {})
+
+
 def dispatch(func, args, kwargs):
     """Run the aten op ``func`` on arguments that hold global tensors."""
     if _RECORDER.get() is not None:
         return _recorded(func, args, kwargs)
     key = call_key(func, op_schema(func), args, kwargs)
     try:
-        entry = CALLS.get(key)
+        entry = _cached(key)
     except TypeError:  # an unhashable argument: this call is not cached
         entry = None
     if entry is not None and entry.func is func:  # the steady state of a training loop

@@ -88,6 +88,7 @@ class LocalCall:
 
 
 LOCAL_CALLS = LruCache()  # (torch function, *argument keys) -> LocalCall, _REFUSED or _SEEN
+_cached = LOCAL_CALLS.get  # (bound once: read on every call)
 # Torch functions that take the dispatch path whatever their arguments: getters (shape, grad, ...) and
 # functions that dispatched nothing and returned no tensor (dim, is_complex, ...), and functions that
 # returned a view once (transpose, view, reshape, and so indexing, whose integer and slice indices give views).
@@ -159,7 +160,7 @@ def call(func, types, args, kwargs):
         local_kwargs = dict(zip(names, values))
     key = tuple(key)
     try:
-        plan = LOCAL_CALLS.get(key)
+        plan = _cached(key)
     except TypeError:  # an unhashable argument (a slice, say)
         return NOT_HANDLED
     if plan is None:  # a first sight: the dispatch path alone, so a shape seen once costs no learning

@@ -6,18 +6,18 @@
 3. a call that autograd does not record may run on the local parts directly (``_local_calls.py``);
 4. everything else goes below autograd to ``__torch_dispatch__``, the dispatcher."""
 
-from . import _batched_matmul as batched_matmul
-from . import _local_calls as local_calls
+from ._batched_matmul import MATMUL_FUNCS, BatchedMatmul, applies
 from ._below_autograd import below_autograd, without_torch_function
+from ._local_calls import DISPATCH_ONLY, NOT_HANDLED, call
 
 
-def torch_function(func, types, args=(), kwargs=None):
-    """The handler of ``GlobalTensor.__torch_function__`` (see the module docstring)."""
-    if func in local_calls.DISPATCH_ONLY:
+def torch_function(cls, func, types, args=(), kwargs=None):
+    """``GlobalTensor.__torch_function__`` (see the module docstring)."""
+    if func in DISPATCH_ONLY:
         return below_autograd(func, types, args, kwargs)
-    if func in batched_matmul.MATMUL_FUNCS and batched_matmul.applies(func, args, kwargs or {}):
-        return batched_matmul.BatchedMatmul.apply(*args)
-    result = without_torch_function(local_calls.call, types, (func, types, args, kwargs))
-    if result is not local_calls.NOT_HANDLED:
+    if func in MATMUL_FUNCS and applies(func, args, kwargs or {}):
+        return BatchedMatmul.apply(*args)
+    result = without_torch_function(call, types, (func, types, args, kwargs))
+    if result is not NOT_HANDLED:
         return result
     return below_autograd(func, types, args, kwargs)

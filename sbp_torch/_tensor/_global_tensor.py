@@ -17,20 +17,6 @@ def _not_connected(*_):
     raise RuntimeError("sbp_torch's dispatcher is not connected: import sbp_torch itself, not only its parts")
 
 
-class _Handlers:
-    """What the type's torch entry points call (see ``connect``)."""
-
-    torch_function = _not_connected  # (func, types, args, kwargs) -> result
-    torch_dispatch = _not_connected  # (func, args, kwargs) -> result
-
-
-def connect(torch_function, torch_dispatch) -> None:
-    """Route ``GlobalTensor.__torch_function__`` to ``torch_function(func, types, args, kwargs)`` and
-    ``__torch_dispatch__`` to ``torch_dispatch(func, args, kwargs)``."""
-    _Handlers.torch_function = staticmethod(torch_function)
-    _Handlers.torch_dispatch = staticmethod(torch_dispatch)
-
-
 class GlobalTensor(torch.Tensor):
     """A logical tensor laid out over the ranks of a placement by one SBP per placement axis. PyTorch sees the
     logical shape, stride and dtype; this rank's data is ``to_local()``. sbp_torch runs every op on it, picking a
@@ -58,13 +44,9 @@ class GlobalTensor(torch.Tensor):
         out._meta = meta
         return out
 
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        return _Handlers.torch_function(func, types, args, kwargs)
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        return _Handlers.torch_dispatch(func, args, kwargs or {})
+    # Both entry points are the handlers given to ``connect``.
+    __torch_function__ = classmethod(_not_connected)
+    __torch_dispatch__ = classmethod(_not_connected)
 
     @property
     def placement(self):
@@ -95,6 +77,14 @@ class GlobalTensor(torch.Tensor):
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
         return GlobalTensor(inner["_local"], meta)
+
+
+def connect(torch_function, torch_dispatch) -> None:
+    """Make ``torch_function`` and ``torch_dispatch`` the type's ``__torch_function__`` and ``__torch_dispatch__``,
+    each called as ``handler(cls, func, types, args=(), kwargs=None)``. Called once, by ``sbp_torch/__init__.py``;
+    the handlers are the methods themselves, not called through a wrapper, because they run on every op."""
+    GlobalTensor.__torch_function__ = classmethod(torch_function)
+    GlobalTensor.__torch_dispatch__ = classmethod(torch_dispatch)
 
 
 def wrap_fresh(local: torch.Tensor, meta: GlobalMeta) -> GlobalTensor:
