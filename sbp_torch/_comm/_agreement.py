@@ -3,7 +3,7 @@ would make ranks issue different collectives and hang. One exchange over the wor
 
 import torch.distributed as dist
 
-from ._collectives import CollectiveError
+from ._primitives import CollectiveError
 
 
 def agree(what: str, agreed, local_shape: tuple[int, ...], check: bool) -> list[tuple[int, ...]]:

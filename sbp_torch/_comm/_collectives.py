@@ -8,18 +8,9 @@ import math
 import torch
 import torch.distributed as dist
 
+from . import _primitives as call
 from ._groups import AxisGroup
-
-# torch 2.13 renamed all_gather_into_tensor; keep working on 2.11.
-_all_gather_even = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_even = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-
-
-class CollectiveError(RuntimeError):
-    """A collective failed or timed out; the message names the collective, the ranks and the tensor."""
-
+from ._primitives import CollectiveError
 
 # dtypes gloo cannot carry, each sent as a wider dtype that holds all its values exactly (so sums, maxima and
 # minima are those of the narrow values; a narrowing cast back wraps integer sums as the narrow type would).
@@ -62,16 +53,6 @@ def _off_wire(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x
 
 
-def _run(what: str, group: AxisGroup, tensor: torch.Tensor, call):
-    try:
-        return call()
-    except RuntimeError as err:  # gloo reports timeouts and peer failures as RuntimeError
-        raise CollectiveError(
-            f"{what} on {group.describe()} (this rank is index {group.index}) for a {tuple(tensor.shape)} "
-            f"{tensor.dtype} tensor failed while waiting for the other ranks: {err}"
-        ) from err
-
-
 def _to_group_order(group: AxisGroup, items: list) -> list:
     return [items[c] for c in group.coord_of_group_rank]
 
@@ -85,32 +66,21 @@ def _from_group_order(group: AxisGroup, items: list) -> list:
 
 def _broadcast(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
     """The group's index-0 value of ``x`` on every rank; returns a new tensor."""
-    out = x.contiguous().clone()
-    src = group.ranks[0]
-    _run("broadcast", group, x, lambda: dist.broadcast(out, src, group.process_group))
-    return out
+    return call.broadcast(x.contiguous(), group)
 
 
 def _all_gather(x: torch.Tensor, dim: int, sizes: list[int], group: AxisGroup) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim`` in axis order; ``sizes[i]`` is rank i's extent of ``dim``."""
     rows = x.movedim(dim, 0).contiguous()
     if len(set(sizes)) == 1:
-        out = rows.new_empty((sizes[0] * group.size, *rows.shape[1:]))
-        _run("all-gather", group, x, lambda: _all_gather_even(out, rows, group.process_group))
+        out = call.all_gather(rows, group)
         parts = _from_group_order(group, list(out.chunk(group.size)))
     else:
         per_row = math.prod(rows.shape[1:])
-        received = rows.new_empty(sum(sizes) * per_row)
         recv_counts = _to_group_order(group, [s * per_row for s in sizes])
         send = rows.reshape(-1).repeat(group.size)
-        _run(
-            "all-gather (uneven, as all-to-all)",
-            group,
-            x,
-            lambda: dist.all_to_all_single(
-                received, send, recv_counts, [rows.numel()] * group.size, group.process_group
-            ),
-        )
+        sent = [rows.numel()] * group.size
+        received = call.all_to_all(send, recv_counts, sent, "all-gather (uneven, as all-to-all)", group)
         flat_parts = _from_group_order(group, list(received.split(recv_counts)))
         parts = [p.view(s, *rows.shape[1:]) for p, s in zip(flat_parts, sizes)]
         out = received.view(sum(sizes), *rows.shape[1:])
@@ -132,10 +102,7 @@ def _reduce_scatter(x: torch.Tensor, op: str, dim: int, sizes: list[int], group:
         send = rows.new_empty((largest * group.size, *rows.shape[1:]))
         for slot, part in enumerate(_to_group_order(group, list(rows.split(sizes)))):
             send[slot * largest : slot * largest + part.shape[0]].copy_(part)
-    out = rows.new_empty((largest, *rows.shape[1:]))
-    _run(
-        f"reduce-scatter({op})", group, x, lambda: _reduce_scatter_even(out, send, _REDUCE_OPS[op], group.process_group)
-    )
+    out = call.reduce_scatter(send, op, group)
     return out[: sizes[group.index]].movedim(0, dim).contiguous()  # as the global stride says
 
 
@@ -152,14 +119,8 @@ def _all_to_all(
         shape[cat_dim] = size
         recv_shapes.append(shape)
     recv_counts = [torch.Size(s).numel() for s in recv_shapes]
-    received = x.new_empty(sum(recv_counts))
     out_counts = _to_group_order(group, recv_counts)
-    _run(
-        "all-to-all",
-        group,
-        x,
-        lambda: dist.all_to_all_single(received, send_flat, out_counts, in_counts, group.process_group),
-    )
+    received = call.all_to_all(send_flat, out_counts, in_counts, "all-to-all", group)
     if cat_dim == 0 and group.in_rank_order:  # the parts arrived end to end in row order: the buffer is the result
         shape = list(recv_shapes[0])
         shape[0] = sum(s[0] for s in recv_shapes)
@@ -213,6 +174,8 @@ def send_recv(
     """Point-to-point over the default group: send each ``(tensor, to rank, tag)``, receive and return each
     ``(shape, from rank, tag)`` as a tensor of ``like``'s dtype and device. Everything is posted before anything
     is waited for, so the order of the lists cannot deadlock. Dtypes gloo lacks travel as on the collectives."""
+    if call.traced():
+        return _send_recv_as_all_to_all(sends, recvs, like)
     ops = [dist.P2POp(dist.isend, _on_wire(t).contiguous(), peer, tag=tag) for t, peer, tag in sends]
     buffers = [_on_wire(like.new_empty(shape)) for shape, _, _ in recvs]
     ops += [dist.P2POp(dist.irecv, buf, peer, tag=tag) for buf, (_, peer, tag) in zip(buffers, recvs)]
@@ -229,6 +192,33 @@ def send_recv(
     return [_off_wire(buf, like.dtype) for buf in buffers]
 
 
+def _send_recv_as_all_to_all(sends, recvs, like: torch.Tensor) -> list[torch.Tensor]:
+    """``send_recv`` as one all-to-all over the world, the form a traced graph can hold (there is no functional
+    point-to-point op). Every rank of the world takes part, as every rank runs each op of a global program; the
+    pieces between two ranks travel end to end in the order of their tags, which both ends list in that order."""
+    world = dist.get_world_size()
+    me = dist.get_rank()
+    group = AxisGroup(tuple(range(world)), me, dist.group.WORLD)
+    by_peer = [[] for _ in range(world)]
+    for tensor, peer, _ in sorted(sends, key=lambda s: s[2]):
+        by_peer[peer].append(_on_wire(tensor).reshape(-1))
+    send = torch.cat([piece for pieces in by_peer for piece in pieces] or [_on_wire(like.new_empty(0))])
+    in_counts = [sum(p.numel() for p in pieces) for pieces in by_peer]
+    order = sorted(range(len(recvs)), key=lambda i: (recvs[i][1], recvs[i][2]))
+    wire_like = _on_wire(like.new_empty(0))
+    shapes = {i: (*recvs[i][0], *wire_like.shape[1:]) for i in order}
+    out_counts = [0] * world
+    for i in order:
+        out_counts[recvs[i][1]] += math.prod(shapes[i])
+    received = call.all_to_all(send, out_counts, in_counts, "point-to-point exchange (as all-to-all)", group)
+    pieces, offset = [None] * len(recvs), 0
+    for i in order:
+        n = math.prod(shapes[i])
+        pieces[i] = _off_wire(received[offset : offset + n].view(shapes[i]), like.dtype)
+        offset += n
+    return pieces
+
+
 def all_reduce(x: torch.Tensor, op: str, group: AxisGroup) -> torch.Tensor:
     """Element-wise ``op`` of ``x`` over the group; returns a new tensor."""
     return start_all_reduce(x, op, group)()
@@ -240,14 +230,5 @@ def start_all_reduce(x: torch.Tensor, op: str, group: AxisGroup):
     if group.size == 1:  # one part is the whole: nothing to exchange (and no process group to use)
         return lambda: x.clone()
     _refuse_unreducible("all_reduce", x, [op])
-    wire = _on_wire(x)
-    out = wire.contiguous().clone()
-    work = _run(
-        f"all-reduce({op})", group, x, lambda: dist.all_reduce(out, _REDUCE_OPS[op], group.process_group, async_op=True)
-    )
-
-    def finish() -> torch.Tensor:
-        _run(f"all-reduce({op})", group, x, work.wait)
-        return _off_wire(out, x.dtype)
-
-    return finish
+    started = call.start_all_reduce(_on_wire(x).contiguous(), op, group)
+    return lambda: _off_wire(started(), x.dtype)

@@ -78,6 +78,23 @@ class GlobalTensor(torch.Tensor):
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
         return GlobalTensor(inner["_local"], meta)
 
+    def __coerce_tangent_metadata__(self):
+        # torch.compile traces the backward with a guessed gradient for each output: guess the layout eager
+        # autograd gives it (partial axes become broadcast, or partial sums for P(max|min)). Only partial axes
+        # change, and a partial part has the logical shape, so only the metadata needs to.
+        target = gradient_sbp(self._meta.sbp)
+        if target == self._meta.sbp:
+            return self
+        return GlobalTensor(self._local, self._meta.with_sbp(target))
+
+    def __coerce_same_metadata_as_tangent__(self, expected: GlobalMeta, expected_type=None):
+        # A gradient that reaches a compiled backward in another layout than the traced one is boxed to it.
+        if expected_type not in (None, GlobalTensor) or expected.placement != self._meta.placement:
+            return None
+        if expected.sbp == self._meta.sbp:
+            return self
+        return GlobalTensor(box_local(self._local, self._meta, expected.sbp), expected)
+
 
 def connect(torch_function, torch_dispatch) -> None:
     """Make ``torch_function`` and ``torch_dispatch`` the type's ``__torch_function__`` and ``__torch_dispatch__``,

@@ -1,0 +1,106 @@
+"""One collective call on one axis group, in the form that fits how the program runs.
+
+Run eagerly, a collective is ``torch.distributed``'s call that writes into a buffer and is waited for here; a
+failure or timeout raises ``CollectiveError`` naming the collective and the ranks. Traced by ``torch.compile``
+(Dynamo and AOTAutograd hold ``torch.compiler.is_compiling()`` true while they trace), it is the functional op
+of ``torch.ops._c10d_functional`` that returns a new tensor, followed by its ``wait_tensor``: a graph can hold
+that pair, Inductor lowers it and may move the wait later, whereas an in-place ``c10d`` call traced into a graph
+loses its wait and its result is read before it arrives. The inputs are already on the wire (``_collectives``
+picks dtypes every backend carries) and contiguous."""
+
+import torch
+import torch.distributed as dist
+
+from ._groups import AxisGroup
+
+_functional = torch.ops._c10d_functional
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+# torch 2.13 renamed all_gather_into_tensor; keep working on 2.11.
+_all_gather_even = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_even = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out; the message names the collective, the ranks and the tensor."""
+
+
+def traced() -> bool:
+    """Whether torch.compile is tracing the running code, so that a collective must be a functional op."""
+    return torch.compiler.is_compiling()
+
+
+def run(what: str, group: AxisGroup, tensor: torch.Tensor, call):
+    """``call()``, with a failure of the collective ``what`` reported as a ``CollectiveError``."""
+    try:
+        return call()
+    except RuntimeError as err:  # gloo reports timeouts and peer failures as RuntimeError
+        raise CollectiveError(
+            f"{what} on {group.describe()} (this rank is index {group.index}) for a {tuple(tensor.shape)} "
+            f"{tensor.dtype} tensor failed while waiting for the other ranks: {err}"
+        ) from err
+
+
+def _name(group: AxisGroup) -> str:
+    return group.process_group.group_name
+
+
+def broadcast(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+    """Axis coordinate 0's ``x`` on every rank of the group, as a new tensor."""
+    src = group.ranks[0]
+    if traced():
+        root = dist.get_group_rank(group.process_group, src)
+        return _functional.wait_tensor(_functional.broadcast(x, root, _name(group)))
+    out = x.clone()
+    run("broadcast", group, x, lambda: dist.broadcast(out, src, group.process_group))
+    return out
+
+
+def all_gather(rows: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+    """Every rank's equal ``rows`` end to end along dim 0, in torch's group order."""
+    if traced():
+        return _functional.wait_tensor(_functional.all_gather_into_tensor(rows, group.size, _name(group)))
+    out = rows.new_empty((rows.shape[0] * group.size, *rows.shape[1:]))
+    run("all-gather", group, rows, lambda: _all_gather_even(out, rows, group.process_group))
+    return out
+
+
+def reduce_scatter(send: torch.Tensor, op: str, group: AxisGroup) -> torch.Tensor:
+    """Reduce ``send`` over the group with ``op``; this rank keeps its equal slice of dim 0 (group order)."""
+    if traced():
+        return _functional.wait_tensor(_functional.reduce_scatter_tensor(send, op, group.size, _name(group)))
+    out = send.new_empty((send.shape[0] // group.size, *send.shape[1:]))
+    run(
+        f"reduce-scatter({op})",
+        group,
+        send,
+        lambda: _reduce_scatter_even(out, send, _REDUCE_OPS[op], group.process_group),
+    )
+    return out
+
+
+def all_to_all(send: torch.Tensor, out_counts: list[int], in_counts: list[int], what: str, group: AxisGroup):
+    """Send ``in_counts[g]`` elements of the flat ``send`` to group rank g, in order; receive ``out_counts[g]``
+    from each, end to end in one flat tensor."""
+    if traced():
+        return _functional.wait_tensor(_functional.all_to_all_single(send, out_counts, in_counts, _name(group)))
+    out = send.new_empty(sum(out_counts))
+    run(what, group, send, lambda: dist.all_to_all_single(out, send, out_counts, in_counts, group.process_group))
+    return out
+
+
+def start_all_reduce(x: torch.Tensor, op: str, group: AxisGroup):
+    """Begin the element-wise ``op`` of ``x`` over the group; returns ``finish()``, which waits and returns the
+    result as a new tensor."""
+    what = f"all-reduce({op})"
+    if traced():
+        started = _functional.all_reduce(x, op, _name(group))
+        return lambda: _functional.wait_tensor(started)
+    out = x.clone()
+    work = run(what, group, x, lambda: dist.all_reduce(out, _REDUCE_OPS[op], group.process_group, async_op=True))
+
+    def finish() -> torch.Tensor:
+        run(what, group, x, work.wait)
+        return out
+
+    return finish
