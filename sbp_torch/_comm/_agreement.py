@@ -1,7 +1,11 @@
 """Check that every rank passed the same metadata, before any data moves: mismatched placements, SBPs or dtypes
-would make ranks issue different collectives and hang. One exchange over the world lets all raise alike."""
+would make ranks issue different collectives and hang. One exchange over the world lets all raise alike.
+
+Under torch.compile the exchange happens while the program is traced, on every rank alike, outside the tracing
+modes (it moves pickled Python values, not the program's tensors); the compiled program holds none of it."""
 
 import torch.distributed as dist
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ._primitives import CollectiveError
 
@@ -12,7 +16,8 @@ def agree(what: str, agreed, local_shape: tuple[int, ...], check: bool) -> list[
     from rank 0's, naming those ranks; ``what`` names the checked call in messages."""
     gathered = [None] * dist.get_world_size()
     try:
-        dist.all_gather_object(gathered, (agreed, tuple(local_shape)))
+        with _disable_current_modes():
+            dist.all_gather_object(gathered, (agreed, tuple(local_shape)))
     except RuntimeError as err:  # a peer died, or never called the same function
         raise CollectiveError(
             f"{what}: the metadata exchange over all {len(gathered)} ranks failed (every rank must make the same "

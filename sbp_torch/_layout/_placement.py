@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from functools import cached_property
 
 import torch
@@ -30,13 +31,20 @@ def _flatten(ranks) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(itertools.chain.from_iterable(flat for flat, _ in parts)), (len(parts), *inner.pop())
 
 
+@dataclass(frozen=True, eq=False, repr=False)
 class placement:  # noqa: N801 - lower case on purpose, as torch.device and oneflow.placement are
     """Which ranks hold a global tensor: ``type`` (``"cpu"`` or ``"cuda"``) is the device type of the local
     parts, ``ranks`` a list (1-D) or nested rectangular list (N-D), e.g. ``[[0, 1], [2, 3]]`` (shape ``(2, 2)``).
     A rank that is not in the placement may still hold a global tensor of it; its local part is empty.
+    A placement is immutable; ``torch.compile`` takes it as a constant of the traced program.
     """
 
-    def __init__(self, type: str, ranks):  # noqa: A002 - the OneFlow name
+    # Two fields, as given to the constructor: torch.compile rebuilds a placement argument from them.
+    type: str  # noqa: A003 - the OneFlow name
+    ranks: list
+
+    def __post_init__(self):
+        type, ranks = self.type, self.ranks  # noqa: A001
         if type not in DEVICE_TYPES:
             raise ValueError(f"placement type must be one of {DEVICE_TYPES}, got {type!r}")
         flat, shape = _flatten(ranks)
@@ -48,9 +56,12 @@ class placement:  # noqa: N801 - lower case on purpose, as torch.device and onef
         if dist.is_initialized() and max(flat) >= dist.get_world_size():
             outside = sorted(r for r in flat if r >= dist.get_world_size())
             raise ValueError(f"ranks {outside} are outside the world of size {dist.get_world_size()}")
-        self._type = type
-        self._flat = flat
-        self._shape = shape
+        object.__setattr__(self, "_flat", flat)
+        object.__setattr__(self, "_shape", shape)
+        nested = list(flat)
+        for n in reversed(shape[1:]):
+            nested = [nested[i : i + n] for i in range(0, len(nested), n)]
+        object.__setattr__(self, "ranks", nested)
 
     @classmethod
     def all(cls, type: str) -> placement:  # noqa: A002
@@ -59,19 +70,10 @@ class placement:  # noqa: N801 - lower case on purpose, as torch.device and onef
             raise RuntimeError("placement.all() needs torch.distributed to be initialised first")
         return cls(type, list(range(dist.get_world_size())))
 
-    type = property(lambda self: self._type, doc="Device type of the local parts: 'cpu' or 'cuda'.")
     shape = property(lambda self: self._shape, doc="Shape of the rank array, e.g. (2, 2).")
     ndim = property(lambda self: len(self._shape), doc="Number of placement axes.")
     flat_ranks = property(lambda self: self._flat, doc="Ranks in row-major order of the rank array.")
     size = property(lambda self: len(self._flat), doc="Number of ranks.")
-
-    @property
-    def ranks(self) -> list:
-        """The ranks as a nested list of the placement's shape."""
-        nested = list(self._flat)
-        for n in reversed(self._shape[1:]):
-            nested = [nested[i : i + n] for i in range(0, len(nested), n)]
-        return nested
 
     def coords(self):
         """Every coordinate of the rank array, in row-major order (the order of ``flat_ranks``)."""
@@ -104,20 +106,20 @@ class placement:  # noqa: N801 - lower case on purpose, as torch.device and onef
 
     def device(self) -> torch.device:
         """The torch device of this rank's local parts."""
-        if self._type == "cpu":
+        if self.type == "cpu":
             return torch.device("cpu")
         return torch.device("cuda", torch.cuda.current_device())
 
     def __eq__(self, other) -> bool:
         return (
             isinstance(other, placement)
-            and self._type == other._type
+            and self.type == other.type
             and self._shape == other._shape
             and self._flat == other._flat
         )
 
     def __hash__(self) -> int:
-        return hash((self._type, self._shape, self._flat))
+        return hash((self.type, self._shape, self._flat))
 
     def __repr__(self) -> str:
-        return f"placement(type={self._type!r}, ranks={self.ranks})"
+        return f"placement(type={self.type!r}, ranks={self.ranks})"
