@@ -23,8 +23,15 @@ from world import run_on_world
 
 pytestmark = pytest.mark.gloo
 
-GEN = torch.Generator().manual_seed(0)
-X, W1, W2 = torch.randn(32, 64, generator=GEN), torch.randn(64, 128, generator=GEN), torch.randn(128, 64, generator=GEN)
+
+def _mlp_inputs(rows, inner, hidden):
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(shape, generator=gen) for shape in ((rows, inner), (inner, hidden), (hidden, inner))]
+
+
+ISSUE_SIZES = (32, 64, 128)  # the reproduction in the issue: every split even on 2 ranks
+UNEVEN_SIZES = (33, 17, 31)  # no split of these is even on 2, 3 or 4 ranks
+X, W1, W2 = _mlp_inputs(*ISSUE_SIZES)
 
 
 def mlp_loss(x, w1, w2):
@@ -47,10 +54,11 @@ def compiled(fn, backend="aot_eager"):
     return torch.compile(fn, backend=backend, fullgraph=True)
 
 
-def _mlp_loss_and_grads(ranks, backend, x_sbps, w1_sbp, w2_sbp):
+def _mlp_loss_and_grads(ranks, backend, x_sbps, w1_sbp, w2_sbp, sizes=ISSUE_SIZES):
     """The issue's reproduction: loss and gradients of ``mlp_loss`` compiled, for ``x`` in each of ``x_sbps``
     in turn, against one process; returns the number of graphs compiled."""
     p = st.placement("cpu", ranks)
+    X, W1, W2 = _mlp_inputs(*sizes)
     graphs = Graphs(backend)
     torch._dynamo.reset()
     f = torch.compile(mlp_loss, backend=graphs, fullgraph=True)
@@ -76,16 +84,14 @@ def test_reproduction_gives_the_eager_loss_and_gradients(backend):
 
 
 def test_a_layout_change_recompiles_and_a_repeated_one_does_not():
-    counts = run_on_world(3, _mlp_loss_and_grads, [0, 1, 2], "aot_eager", [B, S(0), B, S(1), S(0)], S(1), S(0))
+    x_sbps = [B, S(0), B, S(1), S(0)]
+    counts = run_on_world(3, _mlp_loss_and_grads, [0, 1, 2], "aot_eager", x_sbps, S(1), S(0), UNEVEN_SIZES)
     assert counts == [3, 3, 3]
 
 
 def test_mesh_with_uneven_parts():
-    # 32 rows of x over 2 and 64 columns of w1 over 2 are even; w2's 128 rows split on both axes are not
-    # all: a 3-rank axis would be needed for that, so the mesh gets the uneven test from a transposed layout.
-    run_on_world(
-        4, _mlp_loss_and_grads, [[0, 1], [2, 3]], "aot_eager", [(S(0), B), (S(1), S(0))], (B, S(1)), (S(1), S(0))
-    )
+    x_sbps = [(S(0), B), (S(1), S(0))]
+    run_on_world(4, _mlp_loss_and_grads, [[0, 1], [2, 3]], "aot_eager", x_sbps, (B, S(1)), (S(1), S(0)), UNEVEN_SIZES)
 
 
 SBPS = [B, P, PMAX, S(0), S(1)]
