@@ -1,6 +1,7 @@
 """A GPT-style transformer trained with data, tensor (Megatron-style) and hybrid parallelism on CPU ranks.
 
     python -m torch.distributed.run --standalone --nproc-per-node 4 examples/gpt.py [--steps 20] [--mode all]
+        [--compile [inductor|aot_eager]]
 
 The model is plain PyTorch (nothing in it knows about sbp_torch). Parallelism is a plan: which SBP each
 parameter gets, and how the batch is laid out. Every mode trains a copy of the same model for ``--steps``
@@ -13,6 +14,9 @@ on the same batches to within 1e-5 relative.
   partial sum reduced before the next layer norm), heads split, the embedding split over the vocabulary and
   tied to the LM head, so the logits stay split over the vocabulary into a vocab-parallel cross entropy;
 * ``dp_tp``: both on a 2x2 mesh: batch split along axis 0, the tensor-parallel plan along axis 1.
+
+With ``--compile``, the global model's forward and backward run through ``torch.compile`` (``fullgraph=True``);
+the optimizer step and the single-process reference stay eager (docs/compile.md says why the step does).
 """
 
 from __future__ import annotations
@@ -122,13 +126,17 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, idx, targets,
     return loss.item()
 
 
-def train(model: nn.Module, steps: int, layout=lambda t: t, batch: int = BATCH) -> list[float]:
+def train(model: nn.Module, steps: int, layout=lambda t: t, batch: int = BATCH, backend=None) -> list[float]:
+    """Losses of ``steps`` AdamW steps; with ``backend``, the model compiled by it."""
     optimizer = make_optimizer(model)
+    if backend is not None:
+        model = torch.compile(model, backend=backend, fullgraph=True)
     return [train_step(model, optimizer, idx, targets, layout) for idx, targets in batches(steps, batch)]
 
 
-def run(mode: str, steps: int) -> tuple[list[float], list[float]]:
-    """(single-process losses, global losses) for ``mode``, on every rank."""
+def run(mode: str, steps: int, backend=None) -> tuple[list[float], list[float]]:
+    """(single-process losses, global losses) for ``mode``, on every rank; ``backend`` compiles the global
+    training."""
     torch.manual_seed(0)
     reference = GPT()
     model = copy.deepcopy(reference)
@@ -136,7 +144,7 @@ def run(mode: str, steps: int) -> tuple[list[float], list[float]]:
     placement, plan, batch_sbp = plans(dist.get_world_size())[mode]
     model.to_global(placement, plan)
     replicated = (broadcast,) * placement.ndim
-    got = train(model, steps, lambda t: t.to_global(placement, replicated).to_global(sbp=batch_sbp))
+    got = train(model, steps, lambda t: t.to_global(placement, replicated).to_global(sbp=batch_sbp), backend=backend)
     return want, got
 
 
@@ -144,10 +152,13 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--mode", choices=["dp", "tp", "dp_tp", "all"], default="all")
+    parser.add_argument(
+        "--compile", nargs="?", const="inductor", choices=["inductor", "aot_eager"], help="torch.compile backend"
+    )
     args = parser.parse_args()
     dist.init_process_group("gloo")
     for mode in ["dp", "tp", "dp_tp"] if args.mode == "all" else [args.mode]:
-        want, got = run(mode, args.steps)
+        want, got = run(mode, args.steps, args.compile)
         worst = max(abs(g - w) / abs(w) for g, w in zip(got, want))
         if dist.get_rank() == 0:
             print(

@@ -3,8 +3,12 @@
 1. getters (``shape``, ``grad``, ...) and functions known to return views go straight on, below autograd;
 2. ``torch.matmul`` of batched global tensors becomes one ``aten.matmul`` (``_batched_matmul.py``), which
    torch would flatten in a way that loses a split of the heads dim;
-3. a call that autograd does not record may run on the local parts directly (``_local_calls.py``);
+3. a call that autograd does not record may run on the local parts directly (``_local_calls.py``), except
+   while torch.compile traces: a traced program is planned once, so the shortcut would save nothing, and it
+   reads the local parts, which a trace must reach only through ``__torch_dispatch__``;
 4. everything else goes below autograd to ``__torch_dispatch__``, the dispatcher."""
+
+from torch.compiler import is_compiling
 
 from ._batched_matmul import MATMUL_FUNCS, BatchedMatmul, applies
 from ._below_autograd import below_autograd, without_torch_function
@@ -17,6 +21,8 @@ def torch_function(cls, func, types, args=(), kwargs=None):
         return below_autograd(func, types, args, kwargs)
     if func in MATMUL_FUNCS and applies(func, args, kwargs or {}):
         return BatchedMatmul.apply(*args)
+    if is_compiling():
+        return below_autograd(func, types, args, kwargs)
     result = without_torch_function(call, types, (func, types, args, kwargs))
     if result is not NOT_HANDLED:
         return result

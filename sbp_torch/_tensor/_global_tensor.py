@@ -102,6 +102,22 @@ def connect(torch_function, torch_dispatch) -> None:
     the handlers are the methods themselves, not called through a wrapper, because they run on every op."""
     GlobalTensor.__torch_function__ = classmethod(torch_function)
     GlobalTensor.__torch_dispatch__ = classmethod(torch_dispatch)
+    for handler in (torch_function, torch_dispatch):
+        _never_a_compiled_frame(handler)
+
+
+def _never_a_compiled_frame(fn) -> None:
+    """Have Dynamo run ``fn`` and what it calls as plain Python whenever it is entered as a frame of its own.
+
+    Where a compiled function breaks its graph, the rest runs eagerly inside Dynamo's frame hook, and every op on
+    a global tensor would enter a handler as a new frame: Dynamo would try to compile the handler itself, guard on
+    each tensor's identity and recompile until its limit. When Dynamo traces a program it inlines
+    ``__torch_function__`` instead, which this does not change. (Private API: without it, only time is lost.)"""
+    try:
+        from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+    except ImportError:
+        return
+    set_code_exec_strategy(fn.__code__, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
 
 
 def wrap_fresh(local: torch.Tensor, meta: GlobalMeta) -> GlobalTensor:
