@@ -6,6 +6,11 @@ which ``sbp_torch/__init__.py`` calls once, the one place where this layer is wi
 
 import torch
 
+try:  # private API, used by _never_a_compiled_frame
+    from torch._C._dynamo import eval_frame as _frames
+except ImportError:
+    _frames = None
+
 from .._boxing import box_local
 from .._layout import GlobalMeta, broadcast, contiguous_strides, normalize_sbp
 from ._gradient import gradient_part, gradient_sbp, has_extreme
@@ -112,12 +117,11 @@ def _never_a_compiled_frame(fn) -> None:
     Where a compiled function breaks its graph, the rest runs eagerly inside Dynamo's frame hook, and every op on
     a global tensor would enter a handler as a new frame: Dynamo would try to compile the handler itself, guard on
     each tensor's identity and recompile until its limit. When Dynamo traces a program it inlines
-    ``__torch_function__`` instead, which this does not change. (Private API: without it, only time is lost.)"""
-    try:
-        from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
-    except ImportError:
-        return
-    set_code_exec_strategy(fn.__code__, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
+    ``__torch_function__`` instead, which this does not change. (Private API: without it, time is lost.)"""
+    if _frames is not None:
+        _frames.set_code_exec_strategy(
+            fn.__code__, _frames._FrameExecStrategy(_frames._FrameAction.SKIP, _frames._FrameAction.SKIP)
+        )
 
 
 def wrap_fresh(local: torch.Tensor, meta: GlobalMeta) -> GlobalTensor:
