@@ -69,16 +69,16 @@ class CollectiveTrace:
     end there. (Ranks of different groups may differ: one axis group can have even parts, another uneven.)"""
 
     def __init__(self):
-        from sbp_torch._comm import _collectives
+        from sbp_torch._comm import _primitives
 
         self.calls: list[tuple[tuple[int, ...], str]] = []
-        original = _collectives._run
+        original = _primitives.run
 
         def tracing(what, group, tensor, call):
             self.calls.append((tuple(sorted(group.ranks)), f"{what} {tensor.dtype}"))
             return original(what, group, tensor, call)
 
-        _collectives._run = tracing
+        _primitives.run = tracing
 
     def take(self) -> list:
         calls, self.calls = self.calls, []
