@@ -201,3 +201,36 @@ def _mixing_plain_and_global(ranks):
 
 def test_an_op_that_cannot_run_names_itself_under_compile():
     run_on_world(2, _mixing_plain_and_global, [0, 1])
+
+
+def _explain_matches_a_run(ranks):
+    """``explain`` lists, without sending anything, the collectives an eager step then issues: same kinds, same
+    counts, same order, forward and backward, gradient reduction included."""
+    from sbp_torch import _comm
+
+    p = st.placement("cpu", ranks)
+    X, W1, W2 = _mlp_inputs(*UNEVEN_SIZES)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(17, 31), torch.nn.ReLU(), torch.nn.Linear(31, 17))
+    model.to_global(p, {"0.*": S(0), "2.weight": S(1), "*": B})
+    x = layout(X, p, S(0))
+
+    def step(x):
+        return model(x).pow(2).mean()
+
+    explained = st.explain(step, x)
+    assert all(param.grad is None for param in model.parameters())  # explain leaves no gradients behind
+    issued = []
+    with _comm.observing(lambda kind, group, tensor: issued.append((kind, tuple(group.ranks)))):
+        step(x).backward()
+    assert [(c.kind, c.ranks) for c in explained] == issued
+    assert any(c.backward for c in explained) and any(not c.backward for c in explained)
+    assert any("aten.mm" in c.cause or "aten.addmm" in c.cause for c in explained), str(explained)
+    reductions = [c for c in explained if c.cause.startswith("gradient reduction")]
+    assert reductions and all(c.backward for c in reductions), str(explained)
+    return str(explained)
+
+
+def test_explain_lists_what_a_step_issues():
+    reports = run_on_world(3, _explain_matches_a_run, [0, 1, 2])
+    assert "all-reduce" in reports[0] or "reduce-scatter" in reports[0]

@@ -3,7 +3,9 @@ the same libraries eager, on 4 ranks.
 
 The model, batches, optimizer and layouts are those of ``benchmarks/suites/train.py`` (its docstring gives
 DTensor's setup of each mode). Compiled means the model's forward and backward go through
-``torch.compile(model, backend="inductor", fullgraph=True)``; the optimizer step and the gradient reduction
+``torch.compile(model.forward, backend="inductor", fullgraph=True, dynamic=False)`` (static shapes: the
+libraries' versions of the model share ``GPT.forward``, and Dynamo would otherwise compile the second one
+with symbolic sizes after seeing the first one's); the optimizer step and the gradient reduction
 of DTensor's data-parallel modes stay eager, as in the example's ``--compile``. Each step's loss is compared
 with single-process training. The first step of a compiled model includes its compilation: its time is
 reported as the compile time (slowest rank). The four variants of a mode take turns, one step each per round.
@@ -37,7 +39,7 @@ def _compiled(build, gpt, model, *args):
     """The step of ``build`` with the model's forward and backward compiled (the model object is replaced in
     place of ``model.forward``, so the library's setup sees the module it expects)."""
     step = build(gpt, model, *args)
-    model.forward = torch.compile(model.forward, backend="inductor", fullgraph=True)
+    model.forward = torch.compile(model.forward, backend="inductor", fullgraph=True, dynamic=False)
     return step
 
 

@@ -13,3 +13,4 @@ from ._collectives import (
     start_all_reduce,
 )
 from ._groups import AxisGroup, axis_group, ensure_groups, forget_groups
+from ._primitives import observing

@@ -8,6 +8,9 @@ that pair, Inductor lowers it and may move the wait later, whereas an in-place `
 loses its wait and its result is read before it arrives. The inputs are already on the wire (``_collectives``
 picks dtypes every backend carries) and contiguous."""
 
+import contextlib
+import contextvars
+
 import torch
 import torch.distributed as dist
 
@@ -25,9 +28,36 @@ class CollectiveError(RuntimeError):
     """A collective failed or timed out; the message names the collective, the ranks and the tensor."""
 
 
+# Who is told of each collective this context issues: None, or (callback, whether to stop at the functional
+# op as if traced). ``sbp_torch.explain`` stops there, on fake parts, so that nothing is sent.
+_OBSERVER: contextvars.ContextVar = contextvars.ContextVar("sbp_torch_collective_observer", default=None)
+
+
+@contextlib.contextmanager
+def observing(callback, as_traced: bool = False):
+    """Within the block, call ``callback(kind, group, tensor)`` for each collective this context issues, before
+    it runs; ``as_traced``: issue the functional ops, as when traced (on fake parts they move nothing)."""
+    token = _OBSERVER.set((callback, as_traced))
+    try:
+        yield
+    finally:
+        _OBSERVER.reset(token)
+
+
+def _issue(kind: str, group: AxisGroup, tensor: torch.Tensor) -> bool:
+    """Tell the observer of the collective ``kind``; return whether it must be a functional op."""
+    observer = _OBSERVER.get()
+    if observer is None:
+        return torch.compiler.is_compiling()
+    observer[0](kind, group, tensor)
+    return observer[1] or torch.compiler.is_compiling()
+
+
 def traced() -> bool:
-    """Whether torch.compile is tracing the running code, so that a collective must be a functional op."""
-    return torch.compiler.is_compiling()
+    """Whether torch.compile is tracing the running code (or ``explain`` is), so that point-to-point boxing
+    must take the form of a collective."""
+    observer = _OBSERVER.get()
+    return torch.compiler.is_compiling() or (observer is not None and observer[1])
 
 
 def run(what: str, group: AxisGroup, tensor: torch.Tensor, call):
@@ -48,7 +78,7 @@ def _name(group: AxisGroup) -> str:
 def broadcast(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
     """Axis coordinate 0's ``x`` on every rank of the group, as a new tensor."""
     src = group.ranks[0]
-    if traced():
+    if _issue("broadcast", group, x):
         root = dist.get_group_rank(group.process_group, src)
         return _functional.wait_tensor(_functional.broadcast(x, root, _name(group)))
     out = x.clone()
@@ -58,7 +88,7 @@ def broadcast(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
 
 def all_gather(rows: torch.Tensor, group: AxisGroup) -> torch.Tensor:
     """Every rank's equal ``rows`` end to end along dim 0, in torch's group order."""
-    if traced():
+    if _issue("all-gather", group, rows):
         return _functional.wait_tensor(_functional.all_gather_into_tensor(rows, group.size, _name(group)))
     out = rows.new_empty((rows.shape[0] * group.size, *rows.shape[1:]))
     run("all-gather", group, rows, lambda: _all_gather_even(out, rows, group.process_group))
@@ -67,7 +97,7 @@ def all_gather(rows: torch.Tensor, group: AxisGroup) -> torch.Tensor:
 
 def reduce_scatter(send: torch.Tensor, op: str, group: AxisGroup) -> torch.Tensor:
     """Reduce ``send`` over the group with ``op``; this rank keeps its equal slice of dim 0 (group order)."""
-    if traced():
+    if _issue(f"reduce-scatter({op})", group, send):
         return _functional.wait_tensor(_functional.reduce_scatter_tensor(send, op, group.size, _name(group)))
     out = send.new_empty((send.shape[0] // group.size, *send.shape[1:]))
     run(
@@ -82,7 +112,7 @@ def reduce_scatter(send: torch.Tensor, op: str, group: AxisGroup) -> torch.Tenso
 def all_to_all(send: torch.Tensor, out_counts: list[int], in_counts: list[int], what: str, group: AxisGroup):
     """Send ``in_counts[g]`` elements of the flat ``send`` to group rank g, in order; receive ``out_counts[g]``
     from each, end to end in one flat tensor."""
-    if traced():
+    if _issue(what, group, send):
         return _functional.wait_tensor(_functional.all_to_all_single(send, out_counts, in_counts, _name(group)))
     out = send.new_empty(sum(out_counts))
     run(what, group, send, lambda: dist.all_to_all_single(out, send, out_counts, in_counts, group.process_group))
@@ -93,7 +123,7 @@ def start_all_reduce(x: torch.Tensor, op: str, group: AxisGroup):
     """Begin the element-wise ``op`` of ``x`` over the group; returns ``finish()``, which waits and returns the
     result as a new tensor."""
     what = f"all-reduce({op})"
-    if traced():
+    if _issue(what, group, x):
         started = _functional.all_reduce(x, op, _name(group))
         return lambda: _functional.wait_tensor(started)
     out = x.clone()

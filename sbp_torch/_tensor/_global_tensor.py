@@ -83,6 +83,14 @@ class GlobalTensor(torch.Tensor):
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
         return GlobalTensor(inner["_local"], meta)
 
+    def _stable_hash_for_caching(self) -> str:
+        # torch.compile's on-disk cache may key a compiled program by its inputs' metadata. Ranks of one
+        # placement see equal metadata but compile different programs (each keeps its own region), so the
+        # key holds this rank's coordinate.
+        local = self._local
+        coord = self._meta.placement.local_coord()
+        return f"{self._meta} at {coord}: local {tuple(local.shape)} {tuple(local.stride())} {local.dtype}"
+
     def __coerce_tangent_metadata__(self):
         # torch.compile traces the backward with a guessed gradient for each output: guess the layout eager
         # autograd gives it (partial axes become broadcast, or partial sums for P(max|min)). Only partial axes
