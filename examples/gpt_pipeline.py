@@ -118,14 +118,18 @@ def layouts(world: int) -> dict:
     return out
 
 
-def run(mode: str, steps: int, schedule: str = "1f1b") -> tuple[list[float], list[float], float]:
-    """(single-process losses, pipelined losses, largest difference between the tied copies), on every rank."""
+def run(mode: str, steps: int, schedule: str = "1f1b", backend=None) -> tuple[list[float], list[float], float]:
+    """(single-process losses, pipelined losses, largest difference between the tied copies), on every rank;
+    ``backend`` compiles each stage's forward (and so its backward) with ``torch.compile``."""
     torch.manual_seed(0)
     reference = gpt.GPT(LAYERS)
     model = copy.deepcopy(reference)
     want = gpt.train(reference, steps, batch=BATCH)
     ranks, plan, batch_sbp = layouts(dist.get_world_size())[mode]
     stages = [stage.to_global(st.placement("cpu", group), plan) for stage, group in zip(cut(model, len(ranks)), ranks)]
+    if backend is not None:
+        for stage in stages:
+            stage.forward = torch.compile(stage.forward, backend=backend, fullgraph=True, dynamic=False)
     pipe = Pipeline(
         stages, loss_fn, MICRO_BATCHES, schedule, input_sbp=batch_sbp, target_sbp=batch_sbp, tied=tied(len(stages))
     )
@@ -154,11 +158,14 @@ def main():
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--mode", choices=["pp", "pp_tp", "pp_dp", "pp_interleaved", "all"], default="all")
     parser.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
+    parser.add_argument(
+        "--compile", nargs="?", const="inductor", choices=["inductor", "aot_eager"], help="compile every stage"
+    )
     args = parser.parse_args()
     dist.init_process_group("gloo")
     modes = layouts(dist.get_world_size())
     for mode in modes if args.mode == "all" else [args.mode]:
-        want, got, drift = run(mode, args.steps, args.schedule)
+        want, got, drift = run(mode, args.steps, args.schedule, args.compile)
         worst = max(abs(g - w) / abs(w) for g, w in zip(got, want))
         if dist.get_rank() == 0:
             stages = len(modes[mode][0])

@@ -23,6 +23,8 @@ import time
 
 import torch
 import torch._dynamo
+import torch._functorch.config
+import torch._inductor.config
 import torch.distributed as dist
 
 from benchmarks import harness
@@ -54,6 +56,9 @@ def _first_step_seconds(step, batch) -> float:
 
 
 def measure(world: int, quick: bool) -> list[dict]:
+    # Compile times are cold: no compiled program is taken from an earlier run's on-disk caches.
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
     code = code_state()
     gpt = load_gpt_example()
     warmup, repeats = (2, 8) if quick else (5, 30)
@@ -146,7 +151,7 @@ def report(rows: list[dict]) -> str:
             ["mode", *VARIANTS, "sbp_torch compiled / eager", "sbp_torch / DTensor, compiled"], table
         ),
         "",
-        "First step (compilation included), seconds, slowest rank; and the largest relative difference of "
+        "First step (compilation included, on-disk compile caches off), seconds, slowest rank; and the largest relative difference of "
         "each variant's losses from single-process training (in the order of the table):",
         "",
         harness.markdown_table(["mode", "sbp_torch compiled", "DTensor compiled", "loss rel. diff"], compile_rows),
