@@ -145,14 +145,14 @@ def report(rows: list[dict]) -> str:
     lines = [
         "Steps per second of one training step of `examples/gpt.py` on 4 CPU ranks, median (quartiles), the "
         'slowest rank\'s; compiled = forward and backward through `torch.compile(..., backend="inductor", '
-        "fullgraph=True)`. Written by `benchmarks/suites/compile.py`.",
+        "fullgraph=True, dynamic=False)`. Written by `benchmarks/suites/compile.py`.",
         "",
         harness.markdown_table(
             ["mode", *VARIANTS, "sbp_torch compiled / eager", "sbp_torch / DTensor, compiled"], table
         ),
         "",
-        "First step (compilation included, on-disk compile caches off), seconds, slowest rank; and the largest relative difference of "
-        "each variant's losses from single-process training (in the order of the table):",
+        "First step (compilation included, on-disk compile caches off), seconds, slowest rank; and the largest "
+        "relative difference of each variant's losses from single-process training (in the order of the table):",
         "",
         harness.markdown_table(["mode", "sbp_torch compiled", "DTensor compiled", "loss rel. diff"], compile_rows),
         "",
