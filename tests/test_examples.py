@@ -63,8 +63,11 @@ def test_mlp_data_parallel_trains_like_one_process():
         assert _close(want, got), (want, got)
 
 
-def _gpt_pipeline_losses(mode, steps, schedule):
-    return _load("gpt_pipeline").run(mode, steps, schedule)
+def _gpt_pipeline_losses(mode, steps, schedule, backend=None):
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    return _load("gpt_pipeline").run(mode, steps, schedule, backend)
 
 
 @pytest.mark.parametrize(
@@ -75,3 +78,11 @@ def test_gpt_pipelined_trains_like_one_process(world, mode, schedule):
     for want, got, drift in run_on_world(world, _gpt_pipeline_losses, mode, 3, schedule):
         assert _close(want, got), (want, got)
         assert drift == 0.0, "the tied embedding and head copies must stay equal"
+
+
+def test_gpt_pipelined_with_compiled_stages_trains_like_one_process():
+    """``examples/gpt_pipeline.py --compile aot_eager``: two tensor-parallel stages, each one's forward and
+    backward compiled."""
+    for want, got, drift in run_on_world(4, _gpt_pipeline_losses, "pp_tp", 3, "1f1b", "aot_eager"):
+        assert _close(want, got), (want, got)
+        assert drift == 0.0
