@@ -365,10 +365,19 @@ class SampleCheck:
     """
 
     def __init__(
-        self, op, sample, backend, mesh_ndim: int, seed: int, tol: tuple[float, float], values_defined: bool = True
+        self,
+        op,
+        sample,
+        backend,
+        mesh_ndim: int,
+        seed: int,
+        tol: tuple[float, float],
+        values_defined: bool = True,
+        compile_backend: str | None = None,
     ):
         self.op, self.sample, self.backend, self.tol, self.seed = op, sample, backend, tol, seed
         self.values_defined = values_defined
+        self.compile_backend = compile_backend  # run the global call through torch.compile with it
         rng = random.Random(seed)
         self.layouts = []  # one per tensor, in flatten order of (input, args, kwargs)
         self.tensors = []
@@ -402,10 +411,18 @@ class SampleCheck:
         args = map_tensors(clone, (self.sample.input, self.sample.args, self.sample.kwargs))
         return args, memo
 
-    def _call(self, args):
+    def _call(self, args, fn=None):
         inp, a, kw = args
         torch.manual_seed(self.seed)  # random ops draw the same numbers in both runs
-        return self.op(inp, *a, **kw)
+        return (fn or self.op)(inp, *a, **kw)
+
+    def _compiled_op(self):
+        """The op through torch.compile (graph breaks allowed), compiled afresh for this sample: one code object
+        serves every sample, and Dynamo would stop compiling it after its recompile limit."""
+        import torch._dynamo
+
+        torch._dynamo.reset()
+        return torch.compile(lambda inp, *a, **kw: self.op(inp, *a, **kw), backend=self.compile_backend)
 
     def reference(self) -> bool:
         ref_args, self.ref_memo = self._clones()
@@ -425,7 +442,8 @@ class SampleCheck:
             self.global_leaves.append((ids[id(t)], g))
             return g
 
-        self.got_out = self._call(map_tensors(distribute, plain_args))
+        compiled = self._compiled_op() if self.compile_backend else None
+        self.got_out = self._call(map_tensors(distribute, plain_args), compiled)
         self.got_full = self._gather(self.got_out)
         want, got = leaves(self.ref_out), leaves(self.got_full)
         if len(want) != len(got):

@@ -60,6 +60,7 @@ def parse_args():
     parser.add_argument("--k", type=int, default=3, help="samples per entry")
     parser.add_argument("--timeout", type=float, default=20.0, help="collective timeout in seconds")
     parser.add_argument("--resume", action="store_true", help="keep the entries already in --out, go on after them")
+    parser.add_argument("--compile", default=None, help="run each global call through torch.compile (a backend)")
     return parser.parse_args()
 
 
@@ -163,7 +164,9 @@ class FallbackRecorder:
         self._warned.clear()
 
 
-def check_entry(op, backend, mesh_ndim: int, k: int, agree: Agreement, fallback: FallbackRecorder | None) -> dict:
+def check_entry(
+    op, backend, mesh_ndim: int, k: int, agree: Agreement, fallback: FallbackRecorder | None, compile_backend=None
+) -> dict:
     """Run up to ``k`` samples of one op_db entry; the record for the JSON (same on every rank)."""
     name = entry_name(op)
     record = {"family": family(op), "status": "pass", "detail": "", "samples": 0, "backward_samples": 0}
@@ -187,7 +190,7 @@ def check_entry(op, backend, mesh_ndim: int, k: int, agree: Agreement, fallback:
     tol, values_defined = tolerance(op), name not in VALUES_UNDEFINED
     skips = []
     for i, sample in enumerate(samples):
-        check = SampleCheck(op, sample, backend, mesh_ndim, stable_seed(name, i), tol, values_defined)
+        check = SampleCheck(op, sample, backend, mesh_ndim, stable_seed(name, i), tol, values_defined, compile_backend)
         where = f"sample {i} {check.describe_layouts()}"
         reason = check.skip_reason()
         if reason is None:
@@ -318,6 +321,7 @@ def main() -> int:
     meta = results["meta"]
     meta.update(
         backend=args.backend,
+        compile=args.compile,
         mesh=args.mesh,
         world_size=dist.get_world_size(),
         torch=torch.__version__,
@@ -335,7 +339,7 @@ def main() -> int:
         meta.update(in_flight=name, elapsed_s=round(elapsed + time.monotonic() - start, 1))
         write(args.out, results)
         t0 = time.monotonic()
-        record = check_entry(op, backend, len(mesh_shape), args.k, agree, fallback)
+        record = check_entry(op, backend, len(mesh_shape), args.k, agree, fallback, args.compile)
         if fallback is not None:
             record["fallback"] = sorted(fallback.ops)
         record["seconds"] = round(time.monotonic() - t0, 2)
