@@ -234,3 +234,19 @@ def _explain_matches_a_run(ranks):
 def test_explain_lists_what_a_step_issues():
     reports = run_on_world(3, _explain_matches_a_run, [0, 1, 2])
     assert "all-reduce" in reports[0] or "reduce-scatter" in reports[0]
+
+
+def _unfold(ranks):
+    # unfold's result is a view whose part overlaps itself; its traced gradient must not keep those strides
+    p = st.placement("cpu", ranks)
+    x = torch.randn(5, 5, 5, 5, generator=torch.Generator().manual_seed(1))
+
+    def program(x):
+        return x.unfold(0, 3, 1)
+
+    fast = compiled(program)
+    check_op(lambda x: fast(x) if x.is_global else program(x), [x], p, [S(0)])
+
+
+def test_the_gradient_of_an_overlapping_view_compiled():
+    run_on_world(2, _unfold, [0, 1])

@@ -94,11 +94,13 @@ class GlobalTensor(torch.Tensor):
     def __coerce_tangent_metadata__(self):
         # torch.compile traces the backward with a guessed gradient for each output: guess the layout eager
         # autograd gives it (partial axes become broadcast, or partial sums for P(max|min)). Only partial axes
-        # change, and a partial part has the logical shape, so only the metadata needs to.
+        # change, and a partial part has the logical shape, so the part keeps its shape.
+        # The guess's part is contiguous: a gradient part is laid out anew, while a view's part may overlap
+        # itself (unfold), and a traced gradient with such strides would be read through them at run time.
         target = gradient_sbp(self._meta.sbp)
-        if target == self._meta.sbp:
+        if target == self._meta.sbp and self._local.is_contiguous():
             return self
-        return GlobalTensor(self._local, self._meta.with_sbp(target))
+        return GlobalTensor(self._local.contiguous(), self._meta.with_sbp(target))
 
     def __coerce_same_metadata_as_tangent__(self, expected: GlobalMeta, expected_type=None):
         # A gradient that reaches a compiled backward in another layout than the traced one is boxed to it.
