@@ -221,13 +221,27 @@ def _explain_matches_a_run(ranks):
     explained = st.explain(step, x)
     assert all(param.grad is None for param in model.parameters())  # explain leaves no gradients behind
     issued = []
-    with _comm.observing(lambda kind, group, tensor: issued.append((kind, tuple(group.ranks)))):
+    with _comm.observing(lambda kind, group, nbytes: issued.append((kind, tuple(group.ranks)))):
         step(x).backward()
     assert [(c.kind, c.ranks) for c in explained] == issued
     assert any(c.backward for c in explained) and any(not c.backward for c in explained)
     assert any("aten.mm" in c.cause or "aten.addmm" in c.cause for c in explained), str(explained)
     reductions = [c for c in explained if c.cause.startswith("gradient reduction")]
     assert reductions and all(c.backward for c in reductions), str(explained)
+
+    # Across placements the exchange is point to point when run and an all-to-all when traced: one entry each.
+    pair = st.placement("cpu", [ranks[-1], ranks[0]])
+    layout(X, pair, B)  # (the pair's process groups are made outside explain)
+
+    def across(x):
+        return (x.to_global(pair, S(1)) * 2).sum()
+
+    moved = st.explain(across, x.detach().requires_grad_())
+    issued = []
+    with _comm.observing(lambda kind, group, nbytes: issued.append((kind, tuple(group.ranks), nbytes))):
+        across(x.detach().requires_grad_()).backward()
+    assert [(c.kind, c.ranks, c.bytes) for c in moved] == issued
+    assert [c.kind for c in moved] == ["point-to-point exchange"] * 2
     return str(explained)
 
 

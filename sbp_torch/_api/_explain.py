@@ -99,13 +99,10 @@ def explain(fn, *args, backward: bool = True, **kwargs) -> Explanation:
     in ``.grad`` are put back as they were."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     found = Explanation()
+    phase = {"backward": False}  # (ours to say: gradient reduction runs after the last autograd node)
 
-    # (set here, not asked of autograd: gradient reduction runs after the last autograd node)
-    phase = {"backward": False}
-
-    def note(kind, group, tensor):
-        size = tensor.numel() * tensor.element_size()
-        found.append(Collective(kind, tuple(group.ranks), size, _cause(), phase["backward"]))
+    def note(kind, group, nbytes):
+        found.append(Collective(kind, tuple(group.ranks), nbytes, _cause(), phase["backward"]))
 
     def fake(a):
         if isinstance(a, GlobalTensor):

@@ -176,6 +176,8 @@ def send_recv(
     is waited for, so the order of the lists cannot deadlock. Dtypes gloo lacks travel as on the collectives."""
     if call.traced():
         return _send_recv_as_all_to_all(sends, recvs, like)
+    # Observed as one exchange over the world, as its traced form is (a rank may put nothing in).
+    call.notify(POINT_TO_POINT, _world_group(), lambda: sum(_on_wire(t).nbytes for t, _, _ in sends))
     ops = [dist.P2POp(dist.isend, _on_wire(t).contiguous(), peer, tag=tag) for t, peer, tag in sends]
     buffers = [_on_wire(like.new_empty(shape)) for shape, _, _ in recvs]
     ops += [dist.P2POp(dist.irecv, buf, peer, tag=tag) for buf, (_, peer, tag) in zip(buffers, recvs)]
@@ -192,30 +194,33 @@ def send_recv(
     return [_off_wire(buf, like.dtype) for buf in buffers]
 
 
+POINT_TO_POINT = "point-to-point exchange"
+
+
+def _world_group() -> AxisGroup:
+    return AxisGroup(tuple(range(dist.get_world_size())), dist.get_rank(), dist.group.WORLD)
+
+
 def _send_recv_as_all_to_all(sends, recvs, like: torch.Tensor) -> list[torch.Tensor]:
     """``send_recv`` as one all-to-all over the world, the form a traced graph can hold (there is no functional
     point-to-point op). Every rank of the world takes part, as every rank runs each op of a global program; the
     pieces between two ranks travel end to end in the order of their tags, which both ends list in that order."""
-    world = dist.get_world_size()
-    me = dist.get_rank()
-    group = AxisGroup(tuple(range(world)), me, dist.group.WORLD)
-    by_peer = [[] for _ in range(world)]
+    group = _world_group()
+    by_peer = [[] for _ in range(group.size)]
     for tensor, peer, _ in sorted(sends, key=lambda s: s[2]):
         by_peer[peer].append(_on_wire(tensor).reshape(-1))
-    send = torch.cat([piece for pieces in by_peer for piece in pieces] or [_on_wire(like.new_empty(0))])
+    wire_like = _on_wire(like.new_empty(0))
+    send = torch.cat([piece for pieces in by_peer for piece in pieces] or [wire_like])
     in_counts = [sum(p.numel() for p in pieces) for pieces in by_peer]
     order = sorted(range(len(recvs)), key=lambda i: (recvs[i][1], recvs[i][2]))
-    wire_like = _on_wire(like.new_empty(0))
-    shapes = {i: (*recvs[i][0], *wire_like.shape[1:]) for i in order}
-    out_counts = [0] * world
-    for i in order:
-        out_counts[recvs[i][1]] += math.prod(shapes[i])
-    received = call.all_to_all(send, out_counts, in_counts, "point-to-point exchange (as all-to-all)", group)
-    pieces, offset = [None] * len(recvs), 0
-    for i in order:
-        n = math.prod(shapes[i])
-        pieces[i] = _off_wire(received[offset : offset + n].view(shapes[i]), like.dtype)
-        offset += n
+    shapes = [(*recvs[i][0], *wire_like.shape[1:]) for i in order]
+    out_counts = [0] * group.size
+    for i, shape in zip(order, shapes):
+        out_counts[recvs[i][1]] += math.prod(shape)
+    received = call.all_to_all(send, out_counts, in_counts, POINT_TO_POINT, group)
+    pieces = [None] * len(recvs)
+    for i, shape, flat in zip(order, shapes, received.split([math.prod(shape) for shape in shapes])):
+        pieces[i] = _off_wire(flat.view(shape), like.dtype)
     return pieces
 
 

@@ -35,8 +35,8 @@ _OBSERVER: contextvars.ContextVar = contextvars.ContextVar("sbp_torch_collective
 
 @contextlib.contextmanager
 def observing(callback, as_traced: bool = False):
-    """Within the block, call ``callback(kind, group, tensor)`` for each collective this context issues, before
-    it runs; ``as_traced``: issue the functional ops, as when traced (on fake parts they move nothing)."""
+    """Within the block, call ``callback(kind, group, bytes this rank puts in)`` before each collective this context
+    issues; ``as_traced``: issue the functional ops, as when traced (on fake parts they move nothing)."""
     token = _OBSERVER.set((callback, as_traced))
     try:
         yield
@@ -44,20 +44,23 @@ def observing(callback, as_traced: bool = False):
         _OBSERVER.reset(token)
 
 
-def _issue(kind: str, group: AxisGroup, tensor: torch.Tensor) -> bool:
-    """Tell the observer of the collective ``kind``; return whether it must be a functional op."""
+def notify(kind: str, group: AxisGroup, nbytes) -> None:
+    """Tell the observer, if any, of the collective ``kind`` into which this rank puts ``nbytes()`` bytes."""
     observer = _OBSERVER.get()
-    if observer is None:
-        return torch.compiler.is_compiling()
-    observer[0](kind, group, tensor)
-    return observer[1] or torch.compiler.is_compiling()
+    if observer is not None:
+        observer[0](kind, group, nbytes())
 
 
 def traced() -> bool:
-    """Whether torch.compile is tracing the running code (or ``explain`` is), so that point-to-point boxing
-    must take the form of a collective."""
+    """Whether a collective must be a functional op: torch.compile traces the running code, or ``explain``."""
     observer = _OBSERVER.get()
     return torch.compiler.is_compiling() or (observer is not None and observer[1])
+
+
+def _issue(kind: str, group: AxisGroup, tensor: torch.Tensor) -> bool:
+    """Tell the observer of the collective ``kind`` on ``tensor``; return whether it must be a functional op."""
+    notify(kind, group, lambda: tensor.nbytes)
+    return traced()
 
 
 def run(what: str, group: AxisGroup, tensor: torch.Tensor, call):

@@ -93,9 +93,8 @@ class GlobalTensor(torch.Tensor):
 
     def __coerce_tangent_metadata__(self):
         # torch.compile traces the backward with a guessed gradient for each output: guess the layout eager
-        # autograd gives it (partial axes become broadcast, or partial sums for P(max|min)). Only partial axes
-        # change, and a partial part has the logical shape, so the part keeps its shape.
-        # The guess's part is contiguous: a gradient part is laid out anew, while a view's part may overlap
+        # autograd gives it (partial axes become broadcast, or partial sums for P(max|min)), whose part has the
+        # same shape. The guess's part is contiguous, as an arriving gradient's is: a view's part may overlap
         # itself (unfold), and a traced gradient with such strides would be read through them at run time.
         target = gradient_sbp(self._meta.sbp)
         if target == self._meta.sbp and self._local.is_contiguous():
