@@ -6,6 +6,8 @@ wrong trace shows as a wrong number); a few use ``inductor``, which must also lo
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch._dynamo
@@ -178,6 +180,34 @@ def _optimizer_step(ranks, backend):
 
 def test_compiled_adamw_steps_match_one_process():
     run_on_world(3, _optimizer_step, [0, 1, 2], "aot_eager")
+
+
+def _reduced_in_compiled_backward(ranks, backend):
+    """Data parallelism: the gradient reduction of ``Module.to_global`` runs inside the compiled backward, so
+    backward itself issues no collective eagerly (it does eagerly), and the gradients are one process's."""
+    from sbp_torch import _comm
+
+    p = st.placement("cpu", ranks)
+    x = torch.randn(13, 17, generator=torch.Generator().manual_seed(2))  # uneven rows on 3 ranks
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(torch.nn.Linear(17, 31), torch.nn.ReLU(), torch.nn.Linear(31, 17))
+    model = copy.deepcopy(reference).to_global(p, B)
+    reference(x).pow(2).mean().backward()
+    issued = {}
+    for name, forward in (("eager", model), ("compiled", compiled(model, backend))):
+        model.zero_grad()
+        loss = forward(layout(x, p, S(0))).pow(2).mean()
+        with _comm.observing(lambda kind, group, nbytes, name=name: issued.setdefault(name, []).append(kind)):
+            loss.backward()
+        for param, want in zip(model.parameters(), reference.parameters()):
+            assert param.grad.sbp == (B,)
+            torch.testing.assert_close(param.grad.full_tensor(), want.grad)
+    assert issued.get("eager") and not issued.get("compiled"), issued
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_data_parallel_gradients_are_reduced_inside_the_compiled_backward(backend):
+    run_on_world(3, _reduced_in_compiled_backward, [0, 1, 2], backend)
 
 
 def _mixed(ranks):

@@ -9,7 +9,7 @@ from torch import nn
 
 from .. import _comm as comm
 from .._boxing import axis_view, box_local, plan_boxing
-from .._tensor import GlobalTensor, gradient_sbp
+from .._tensor import GlobalTensor, gradient_sbp, mark_reduced_at_use
 
 
 class GradientReducer:
@@ -28,6 +28,8 @@ class GradientReducer:
         self.flush_queued = False
         for param in params:
             param.register_post_accumulate_grad_hook(self._on_accumulated)
+            mark_reduced_at_use(param)
+        _bucket_compiled_reductions()
 
     def _on_accumulated(self, param: nn.Parameter) -> None:
         grad = param.grad
@@ -82,6 +84,17 @@ class GradientReducer:
                 part = flat[offset : offset + local.numel()].view(local.shape)
                 offset += local.numel()
                 p.grad = GlobalTensor(part, p.grad._meta.with_sbp(target))
+
+
+def _bucket_compiled_reductions() -> None:
+    """Under torch.compile the gradients are reduced inside the compiled backward, one collective per use of a
+    parameter (``mark_reduced_at_use``): turn on Inductor's passes that merge those collectives into buckets,
+    where they are off."""
+    import torch._inductor.config as inductor  # a second or two to import: only once a model is laid out
+
+    for option in ("bucket_all_reduces_fx", "bucket_reduce_scatters_fx"):
+        if getattr(inductor, option) == "none":
+            setattr(inductor, option, "all")
 
 
 def _reduce_scatter_bucket(params: list, placement, axis: int, src) -> None:

@@ -12,6 +12,7 @@ from torch.compiler import is_compiling
 
 from ._batched_matmul import MATMUL_FUNCS, BatchedMatmul, applies
 from ._below_autograd import below_autograd, without_torch_function
+from ._gradient_boundary import at_uses
 from ._local_calls import DISPATCH_ONLY, NOT_HANDLED, call
 
 
@@ -22,6 +23,7 @@ def torch_function(cls, func, types, args=(), kwargs=None):
     if func in MATMUL_FUNCS and applies(func, args, kwargs or {}):
         return BatchedMatmul.apply(*args)
     if is_compiling():
+        args = at_uses(func, args)
         return below_autograd(func, types, args, kwargs)
     result = without_torch_function(call, types, (func, types, args, kwargs))
     if result is not NOT_HANDLED:

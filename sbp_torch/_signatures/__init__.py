@@ -6,6 +6,7 @@ from . import (  # noqa: F401  (registration by import)
     embedding,
     factory,
     foreach,
+    gradient_boundary,
     indexing,
     matmul,
     normalization,
@@ -16,4 +17,5 @@ from . import (  # noqa: F401  (registration by import)
     views,
 )
 from .core import RULES, LocalContext, OpCall, Rule, Signature, TensorInfo, register, rule_for
+from .gradient_boundary import GRADIENT_BOUNDARY
 from .reductions import norm_statistic

@@ -1,5 +1,14 @@
 """The global tensor type, its differentiable conversions and its gradient rule."""
 
 from ._conversions import to_placement, to_sbp
-from ._global_tensor import GlobalTensor, connect, full_tensor, gradient, to_local, wrap_fresh
+from ._global_tensor import (
+    GlobalTensor,
+    connect,
+    full_tensor,
+    gradient,
+    mark_reduced_at_use,
+    reduced_at_use,
+    to_local,
+    wrap_fresh,
+)
 from ._gradient import gradient_part, gradient_sbp, has_extreme

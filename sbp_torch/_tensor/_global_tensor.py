@@ -77,19 +77,25 @@ class GlobalTensor(torch.Tensor):
         return f"GlobalTensor({self._meta}{grad},\n  local={self._local!r})"
 
     def __tensor_flatten__(self):
-        return ["_local"], self._meta
+        # The context carries the parameter mark (``mark_reduced_at_use``) into the tracer's copies.
+        return ["_local"], (self._meta, reduced_at_use(self))
 
     @staticmethod
-    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
-        return GlobalTensor(inner["_local"], meta)
+    def __tensor_unflatten__(inner, context, outer_size, outer_stride):
+        meta, reduced = context
+        out = GlobalTensor(inner["_local"], meta)
+        if reduced:
+            mark_reduced_at_use(out)
+        return out
 
     def _stable_hash_for_caching(self) -> str:
         # torch.compile's on-disk cache may key a compiled program by its inputs' metadata. Ranks of one
         # placement see equal metadata but compile different programs (each keeps its own region), so the
-        # key holds this rank's coordinate.
+        # key holds this rank's coordinate. It also holds the flatten context as written (meta, parameter mark):
+        # the mark changes the compiled backward, and a cached program stores contexts in that form.
         local = self._local
-        coord = self._meta.placement.local_coord()
-        return f"{self._meta} at {coord}: local {tuple(local.shape)} {tuple(local.stride())} {local.dtype}"
+        context = (self._meta, reduced_at_use(self), self._meta.placement.local_coord())
+        return f"(meta, reduced at use, coord) {context}: {tuple(local.shape)} {tuple(local.stride())} {local.dtype}"
 
     def __coerce_tangent_metadata__(self):
         # torch.compile traces the backward with a guessed gradient for each output: guess the layout eager
@@ -101,13 +107,29 @@ class GlobalTensor(torch.Tensor):
             return self
         return GlobalTensor(self._local.contiguous(), self._meta.with_sbp(target))
 
-    def __coerce_same_metadata_as_tangent__(self, expected: GlobalMeta, expected_type=None):
+    def __coerce_same_metadata_as_tangent__(self, expected_context: tuple, expected_type=None):
         # A gradient that reaches a compiled backward in another layout than the traced one is boxed to it.
+        expected = expected_context[0]
         if expected_type not in (None, GlobalTensor) or expected.placement != self._meta.placement:
             return None
         if expected.sbp == self._meta.sbp:
             return self
         return GlobalTensor(box_local(self._local, self._meta, expected.sbp), expected)
+
+
+# The attribute that marks a parameter whose gradient is reduced at each use while torch.compile traces.
+_REDUCED_AT_USE = "_sbp_torch_gradient_reduced_at_use"
+
+
+def mark_reduced_at_use(param: GlobalTensor) -> None:
+    """Have each use of ``param`` in a traced program reduce that use's gradient to ``param``'s gradient layout,
+    inside the compiled backward (``Module.to_global`` marks the parameters whose gradients it reduces)."""
+    setattr(param, _REDUCED_AT_USE, True)
+
+
+def reduced_at_use(x: torch.Tensor) -> bool:
+    """Whether ``x`` is marked by ``mark_reduced_at_use``."""
+    return getattr(x, _REDUCED_AT_USE, False)
 
 
 def connect(torch_function, torch_dispatch) -> None:
