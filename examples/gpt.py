@@ -15,8 +15,8 @@ on the same batches to within 1e-5 relative.
   tied to the LM head, so the logits stay split over the vocabulary into a vocab-parallel cross entropy;
 * ``dp_tp``: both on a 2x2 mesh: batch split along axis 0, the tensor-parallel plan along axis 1.
 
-With ``--compile``, the global model's forward and backward run through ``torch.compile`` (``fullgraph=True``);
-the optimizer step and the single-process reference stay eager (docs/compile.md says why the step does).
+With ``--compile``, the global model's forward and backward (``fullgraph=True``, gradient reduction included)
+and the optimizer step run through ``torch.compile``; the single-process reference stays eager.
 """
 
 from __future__ import annotations
@@ -127,10 +127,11 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, idx, targets,
 
 
 def train(model: nn.Module, steps: int, layout=lambda t: t, batch: int = BATCH, backend=None) -> list[float]:
-    """Losses of ``steps`` AdamW steps; with ``backend``, the model compiled by it."""
+    """Losses of ``steps`` AdamW steps; with ``backend``, the model and the optimizer step compiled by it."""
     optimizer = make_optimizer(model)
     if backend is not None:
         model = torch.compile(model, backend=backend, fullgraph=True)
+        optimizer.step = torch.compile(optimizer.step, backend=backend)
     return [train_step(model, optimizer, idx, targets, layout) for idx, targets in batches(steps, batch)]
 
 

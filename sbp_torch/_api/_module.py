@@ -58,6 +58,9 @@ def module_to_global(module: nn.Module, placement: Placement, sbp=None, *, bucke
             the dotted tensor names (``"blocks.*.mlp.up.weight"``) to SBPs, where the most specific match wins
             and unmatched tensors are broadcast; or a callable ``(name, tensor) -> sbp``. Default: broadcast.
         bucket_mb: size of the buckets in which all-reduced gradients are combined.
+
+    Under torch.compile the gradients are reduced inside the compiled backward instead, and laying out a model
+    turns on Inductor's collective bucketing passes where they are off (docs/compile.md).
     """
     if not isinstance(placement, Placement):
         raise TypeError(f"placement must be an sbp_torch.placement, got {type(placement).__name__}")

@@ -8,10 +8,11 @@ broadcast is on), decided (``_decide.py``), compiled (``_call_plan.py``) and sto
 import contextlib
 import contextvars
 
+import torch
 from torch.utils._pytree import tree_map
 
 from .._layout import GlobalMeta, broadcast
-from .._tensor import GlobalTensor
+from .._tensor import GlobalTensor, wrap_fresh
 from ._bound import BoundCall, call_key
 from ._cache import LruCache
 from ._call_plan import compile_plan
@@ -22,6 +23,7 @@ from ._inplace_view import InplaceView
 from ._modes import IMPLICIT_BROADCAST
 from ._schema import op_schema
 
+_DETACH = torch.ops.aten.detach.default
 CALLS = LruCache()
 _cached = CALLS.get  # (bound once: the hit path is read on every op)
 
@@ -43,6 +45,8 @@ def dispatch(func, args, kwargs):
     """Run the aten op ``func`` on arguments that hold global tensors."""
     if _RECORDER.get() is not None:
         return _recorded(func, args, kwargs)
+    if func is _DETACH:  # every gradient accumulated into .grad is detached: the layout cannot change
+        return wrap_fresh(args[0]._local.detach(), args[0]._meta)
     key = call_key(func, op_schema(func), args, kwargs)
     try:
         entry = _cached(key)
