@@ -130,6 +130,7 @@ def train(model: nn.Module, steps: int, layout=lambda t: t, batch: int = BATCH, 
     """Losses of ``steps`` AdamW steps; with ``backend``, the model and the optimizer step compiled by it."""
     optimizer = make_optimizer(model)
     if backend is not None:
+        torch._dynamo.reset()  # each mode compiles afresh (docs/compile.md: several optimizers in one process)
         model = torch.compile(model, backend=backend, fullgraph=True)
         optimizer.step = torch.compile(optimizer.step, backend=backend)
     return [train_step(model, optimizer, idx, targets, layout) for idx, targets in batches(steps, batch)]
