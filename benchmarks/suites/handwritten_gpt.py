@@ -80,6 +80,7 @@ class HandwrittenGPT(nn.Module):
         self.gpt, self.dp, self.tp = gpt, dp, tp
         tp_size = 1 if tp is None else dist.get_world_size(tp)
         self.heads = gpt.HEADS // tp_size
+        self.layers = len(model.blocks)
         state = model.state_dict()
         split_rows = {"tokens.weight", "attn.q.weight", "attn.k.weight", "attn.v.weight", "attn.q.bias",
                       "attn.k.bias", "attn.v.bias", "mlp.0.weight", "mlp.0.bias"}  # fmt: skip
@@ -123,7 +124,7 @@ class HandwrittenGPT(nn.Module):
         inside = (local >= 0) & (local < tokens.shape[0])
         x = _g(F.embedding(local.clamp(0, tokens.shape[0] - 1), tokens) * inside.unsqueeze(-1), self.tp)
         x = x + self._w("positions.weight")[: idx.shape[1]]
-        for i in range(self._layers()):
+        for i in range(self.layers):
             x = self._block(i, x)
         x = F.layer_norm(x, (x.shape[-1],), self._w("ln.weight"), self._w("ln.bias"))
         logits = F.linear(_f(x, self.tp), tokens).reshape(-1, tokens.shape[0])
@@ -131,9 +132,6 @@ class HandwrittenGPT(nn.Module):
         if self.dp is None:
             return loss
         return _g(loss / dist.get_world_size(self.dp), self.dp)
-
-    def _layers(self) -> int:
-        return sum(1 for name in self.params if name.endswith("ln1_weight"))
 
     def _cross_entropy(self, logits, local_targets):
         """Mean cross entropy of logits split over the vocabulary (Megatron's vocabulary-parallel loss)."""

@@ -37,6 +37,7 @@ def at_uses(func, args: tuple) -> tuple:
     """``args`` with each marked parameter passed through the boundary, while AOTAutograd traces with grad on."""
     if func in _NOT_USES or is_dynamo_compiling() or not torch.is_grad_enabled() or not _aot_tracing():
         return args
-    if not any(isinstance(a, GlobalTensor) and reduced_at_use(a) for a in args):
+    marked = [isinstance(a, GlobalTensor) and reduced_at_use(a) for a in args]
+    if not any(marked):
         return args
-    return tuple(GRADIENT_BOUNDARY(a) if isinstance(a, GlobalTensor) and reduced_at_use(a) else a for a in args)
+    return tuple(GRADIENT_BOUNDARY(a) if m else a for a, m in zip(args, marked))
