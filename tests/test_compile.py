@@ -225,7 +225,7 @@ def test_compiled_and_eager_calls_on_the_same_tensors_agree():
 
 def _mixing_plain_and_global(ranks):
     p = st.placement("cpu", ranks)
-    with pytest.raises(Exception, match="aten.mul.Tensor: cannot mix a global tensor with a plain tensor"):
+    with pytest.raises(Exception, match=r"mul: cannot mix a global tensor with a plain tensor of shape \(32, 64\)"):
         compiled(lambda x, y: x * y)(layout(X, p, S(0)), X)
 
 

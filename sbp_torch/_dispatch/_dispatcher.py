@@ -2,8 +2,13 @@
 
 One bounded LRU cache, ``CALLS``, maps each call key (``_bound.call_key``) to its entry (a ``CallPlan``, a ``Fallback``
 with its reason, a foreach plan or an in-place view), which a repeated call looks up and runs. A new key is bound once
-(``BoundCall``), checked (one placement for every global input; plain tensors only as 0-dim scalars, unless implicit
-broadcast is on), decided (``_decide.py``), compiled (``_call_plan.py``) and stored."""
+(``BoundCall``), checked (one placement for every global input), decided (``_decide.py``), compiled
+(``_call_plan.py``) and stored.
+
+A plain tensor with dims beside global tensors is taken here as broadcast on their placement. Plain tensors from user
+code never get here: the frontend refuses them above autograd (``_frontend/_plain_inputs.py``) unless implicit
+broadcast is on. Those that reach dispatch were built by torch's own formulas below that check (a C++ composite's
+index or mask, a backward formula's constant) from shapes and scalars, so they are the same on every rank."""
 
 import contextlib
 import contextvars
@@ -20,7 +25,6 @@ from ._decide import NoSignature, decide
 from ._fallback import VALUE_OPS, Fallback, run_fallback
 from ._foreach import first_foreach_call
 from ._inplace_view import InplaceView
-from ._modes import IMPLICIT_BROADCAST
 from ._schema import op_schema
 
 _DETACH = torch.ops.aten.detach.default
@@ -32,7 +36,7 @@ _RECORDER: contextvars.ContextVar = contextvars.ContextVar("sbp_torch_recorder",
 
 
 class MixedTensorError(RuntimeError):
-    """A global tensor met a plain tensor with dims. (Not a TypeError: torch turns a TypeError raised for
+    """A global tensor met a plain tensor with dims from user code. (Not a TypeError: torch turns a TypeError raised for
     ``a + b`` into Python's generic "unsupported operand" message, which would hide this one.)"""
 
 
@@ -111,12 +115,6 @@ def _check_operands(bound: BoundCall) -> None:
     for g in bound.tensors[1:]:
         if g.placement != first.placement:
             raise ValueError(f"{bound.func}: inputs live on different placements: {first.placement} and {g.placement}")
-    if bound.plain and not IMPLICIT_BROADCAST.get():
-        raise MixedTensorError(
-            f"{bound.func}: cannot mix a global tensor with a plain tensor of shape {tuple(bound.plain[0].shape)}; "
-            "convert it with to_global(placement, sbp) first (0-dim tensors and Python scalars are allowed), or "
-            "run under sbp_torch.implicit_broadcast() if it holds the same values on every rank"
-        )
 
 
 def _broadcast_plain_tensors(bound: BoundCall) -> tuple:

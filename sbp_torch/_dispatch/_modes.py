@@ -7,6 +7,7 @@ import contextvars
 import os
 
 STRICT = contextvars.ContextVar("sbp_torch_strict", default=os.environ.get("SBP_TORCH_STRICT", "") not in ("", "0"))
+# False, or how plain tensors from user code are taken: "unchecked" or "checked" (see ``implicit_broadcast``)
 IMPLICIT_BROADCAST = contextvars.ContextVar("sbp_torch_implicit_broadcast", default=False)
 
 
@@ -28,12 +29,16 @@ def strict(enabled: bool = True):
 
 
 @contextlib.contextmanager
-def implicit_broadcast():
-    """Within this block a plain tensor meeting a global tensor in an op is taken as that tensor broadcast on
-    its placement, like DTensor's ``implicit_replication``. Only for values equal on every rank (index lists,
-    masks, constants that torch's own formulas build): nothing checks that, and differing values would give
-    silently wrong results. Such a tensor is a constant: it gets no gradient."""
-    token = IMPLICIT_BROADCAST.set(True)
+def implicit_broadcast(check: bool = False):
+    """Within this block a plain tensor with dims that user code passes to an op beside a global tensor is taken
+    as that tensor broadcast on its placement, like DTensor's ``implicit_replication``. It must hold the same
+    values on every rank, and it is a constant: it gets no gradient.
+
+    With ``check=True``, the first time each call site meets a plain tensor of a given shape and dtype, every
+    rank's values are compared (a fingerprint exchanged over the world); where they differ, every rank raises
+    ``MixedTensorError`` naming the op. Later calls at that site and shape are not checked again. Unchecked, a
+    plain tensor that differs between ranks gives silently wrong results; the unchecked form is for speed."""
+    token = IMPLICIT_BROADCAST.set("checked" if check else "unchecked")
     try:
         yield
     finally:

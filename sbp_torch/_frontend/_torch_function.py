@@ -1,12 +1,14 @@
 """``GlobalTensor.__torch_function__``: what a torch function on global tensors takes, in order:
 
 1. getters (``shape``, ``grad``, ...) and functions known to return views go straight on, below autograd;
-2. ``torch.matmul`` of batched global tensors becomes one ``aten.matmul`` (``_batched_matmul.py``), which
+2. a plain tensor with dims from user code beside global tensors raises, unless implicit broadcast is on
+   (``_plain_inputs.py``);
+3. ``torch.matmul`` of batched global tensors becomes one ``aten.matmul`` (``_batched_matmul.py``), which
    torch would flatten in a way that loses a split of the heads dim;
-3. a call that autograd does not record may run on the local parts directly (``_local_calls.py``), except
+4. a call that autograd does not record may run on the local parts directly (``_local_calls.py``), except
    while torch.compile traces: a traced program is planned once, so the shortcut would save nothing, and it
    reads the local parts, which a trace must reach only through ``__torch_dispatch__``;
-4. everything else goes below autograd to ``__torch_dispatch__``, the dispatcher."""
+5. everything else goes below autograd to ``__torch_dispatch__``, the dispatcher."""
 
 from torch.compiler import is_compiling
 
@@ -14,12 +16,14 @@ from ._batched_matmul import MATMUL_FUNCS, BatchedMatmul, applies
 from ._below_autograd import below_autograd, without_torch_function
 from ._gradient_boundary import at_uses
 from ._local_calls import DISPATCH_ONLY, NOT_HANDLED, call
+from ._plain_inputs import check_plain_inputs
 
 
 def torch_function(cls, func, types, args=(), kwargs=None):
     """``GlobalTensor.__torch_function__`` (see the module docstring)."""
     if func in DISPATCH_ONLY:
         return below_autograd(func, types, args, kwargs)
+    check_plain_inputs(func, args, kwargs)
     if func in MATMUL_FUNCS and applies(func, args, kwargs or {}):
         return BatchedMatmul.apply(*args)
     if is_compiling():
