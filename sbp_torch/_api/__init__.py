@@ -4,5 +4,6 @@ caches' controls. ``sbp_torch/__init__.py`` lists what users may rely on."""
 from ._caches import Caches, cache_clear, cache_info, set_cache_size
 from ._explain import Collective, Explanation, explain
 from ._factories import arange, empty, full, ones, rand, randn, tensor, zeros
+from ._global_mode import global_mode
 from ._module import module_to_global
 from ._to_global import to_global

@@ -6,6 +6,7 @@ each parameter. This differs on purpose from ``Tensor.to_global`` on a local ten
 *one part* of a bigger logical tensor: a model is written for the logical shapes (docs/training.md)."""
 
 import fnmatch
+import itertools
 from collections.abc import Mapping
 
 import torch
@@ -13,6 +14,7 @@ from torch import nn
 
 from .._layout import Placement, broadcast, normalize_sbp
 from .._tensor import GlobalTensor
+from ._global_mode import GlobalMode
 from ._gradient_reducer import GradientReducer
 from ._to_global import to_global
 
@@ -59,6 +61,10 @@ def module_to_global(module: nn.Module, placement: Placement, sbp=None, *, bucke
             and unmatched tensors are broadcast; or a callable ``(name, tensor) -> sbp``. Default: broadcast.
         bucket_mb: size of the buckets in which all-reduced gradients are combined.
 
+    Each call of ``module`` then runs in global mode on ``placement`` (``global_mode``): tensors its ``forward``
+    builds with torch's factories are broadcast global tensors, so unmodified model code runs. A module holding
+    tensors on two placements raises when called.
+
     Under torch.compile the gradients are reduced inside the compiled backward instead, and laying out a model
     turns on Inductor's collective bucketing passes where they are off (docs/compile.md).
     """
@@ -81,4 +87,43 @@ def module_to_global(module: nn.Module, placement: Placement, sbp=None, *, bucke
                     params.append(new)
     if params:
         GradientReducer(params, bucket_mb)
+    ForwardInGlobalMode.install(module)
     return module
+
+
+class ForwardInGlobalMode:
+    """The hooks that run each call of a laid-out module under global mode on the placement of its tensors."""
+
+    _ATTRIBUTE = "_sbp_torch_forward_in_global_mode"
+
+    @classmethod
+    def install(cls, module: nn.Module) -> None:
+        """Install the hooks once per module; a later ``to_global`` updates the placements they read."""
+        hooks = getattr(module, cls._ATTRIBUTE, None)
+        if hooks is None:
+            hooks = cls()
+            setattr(module, cls._ATTRIBUTE, hooks)
+            module.register_forward_pre_hook(hooks.enter)
+            module.register_forward_hook(hooks.leave, always_call=True)
+        tensors = itertools.chain(module.parameters(), module.buffers())
+        hooks.placements = list(dict.fromkeys(t.placement for t in tensors if isinstance(t, GlobalTensor)))
+
+    def __init__(self):
+        self.placements: list = []
+        self.active: list = []  # the modes of the calls under way (a module may call itself)
+
+    def enter(self, module: nn.Module, args) -> None:
+        if len(self.placements) > 1:
+            raise ValueError(
+                f"{type(module).__name__} holds tensors on two placements, {self.placements[0]} and "
+                f"{self.placements[1]}: one call of a module runs on one placement (lay the parts out as pipeline "
+                "stages, or all on one placement)"
+            )
+        if self.placements:
+            mode = GlobalMode(self.placements[0], broadcast)
+            mode.__enter__()
+            self.active.append(mode)
+
+    def leave(self, module: nn.Module, args, output) -> None:
+        if self.active:
+            self.active.pop().__exit__(None, None, None)

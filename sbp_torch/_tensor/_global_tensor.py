@@ -71,6 +71,20 @@ class GlobalTensor(torch.Tensor):
         """The logical tensor as a plain tensor on every rank of the placement. Differentiable."""
         return full_tensor(self)
 
+    # The value readers of a training loop give the logical value, like ``item()``; each is a collective (every
+    # rank of the placement must call it). torch's own versions refuse tensor subclasses.
+    def tolist(self):
+        """The logical value as nested Python lists (a number for a 0-dim tensor)."""
+        return full_tensor(self.detach()).tolist()
+
+    def numpy(self, *, force: bool = False):
+        """The logical value as a NumPy array; refuses a tensor that requires grad, as torch does."""
+        return full_tensor(self).numpy(force=force)
+
+    def __format__(self, spec: str) -> str:
+        # f"{loss:.4f}" formats the logical number, as torch does for a 0-dim tensor
+        return format(full_tensor(self.detach()), spec)
+
     def __repr__(self) -> str:
         # No collective here: repr must be safe to call on one rank only (printing, debuggers).
         grad = ", requires_grad=True" if self.requires_grad else ""

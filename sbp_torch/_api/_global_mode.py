@@ -1,0 +1,122 @@
+"""Global mode: within ``global_mode(placement, sbp)`` torch's factories return global tensors on that placement.
+
+Model code builds tensors of its own inside ``forward`` (positions from ``torch.arange``, masks from ``torch.full``,
+``torch.ones`` for a default attention mask). Every rank runs the same code on the same logical shapes and scalars,
+so each such tensor holds the same values on every rank: taking it as a global tensor (broadcast by default) is
+exact. ``Module.to_global`` turns this mode on around each call of the module it lays out.
+
+Which functions are factories, and how each builds its value, is the table ``FACTORIES``. Random factories draw
+from sbp_torch's layout-independent generator, so they too agree across ranks (given equal seeds). A factory asked
+for a device of another type than the placement's (``"meta"``, say) builds the plain tensor it was asked for, and
+``*_like`` of a global tensor is that tensor's own op, unchanged.
+"""
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from .._layout import Placement, Split, broadcast
+from .._tensor import GlobalTensor
+from ._factories import _from_value, _random, _size
+
+
+class GlobalMode(TorchFunctionMode):
+    """``global_mode``'s torch function mode; every call other than a factory's passes through unchanged."""
+
+    def __init__(self, placement: Placement, sbp):
+        super().__init__()
+        if not isinstance(placement, Placement):
+            raise TypeError(f"placement must be an sbp_torch.placement, got {type(placement).__name__}")
+        self.placement = placement
+        self.sbp = sbp
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        build = FACTORIES.get(func)
+        if build is None or "out" in kwargs or not self._builds_here(kwargs.get("device")):
+            return func(*args, **kwargs)
+        return build(self, func, args, kwargs)
+
+    def _builds_here(self, device) -> bool:
+        return device is None or torch.device(device).type == self.placement.type
+
+    def sbp_for(self, ndim: int, dtype) -> tuple:
+        """The mode's SBP for a new tensor; a split the tensor has no dim for is broadcast instead."""
+        sbp = self.sbp if isinstance(self.sbp, tuple) else (self.sbp,) * self.placement.ndim
+        return tuple(broadcast if isinstance(s, Split) and not -ndim <= s.dim < ndim else s for s in sbp)
+
+
+def _value(mode: GlobalMode, func, args, kwargs):
+    """Build the whole value on this rank, then keep this rank's part of it."""
+    if func in _LIKE and isinstance(args[0], GlobalTensor):
+        return func(*args, **kwargs)
+    if func in _FROM_DATA and _holds_tensors(args[0] if args else kwargs.get("data")):
+        return func(*args, **kwargs)  # a copy of a tensor it was given: one rank's value, which stays plain
+    requires_grad = kwargs.pop("requires_grad", False)
+    kwargs["device"] = mode.placement.device()
+    value = func(*args, **kwargs)
+    return _from_value(value, mode.placement, mode.sbp_for(value.dim(), value.dtype), requires_grad)
+
+
+def _random_factory(kind: str):
+    def build(mode: GlobalMode, func, args, kwargs):
+        if func in _LIKE:
+            if isinstance(args[0], GlobalTensor):
+                return func(*args, **kwargs)
+            size, dtype = tuple(args[0].shape), kwargs.get("dtype") or args[0].dtype
+        else:
+            size, dtype = _size(args if args else (kwargs["size"],)), kwargs.get("dtype")
+        if kwargs.get("generator") is not None:
+            raise TypeError(
+                f"{func.__name__} under global mode: a generator of this rank's own cannot give values that agree "
+                "across ranks; leave generator out (sbp_torch's generator follows torch.manual_seed)"
+            )
+        sbp = mode.sbp_for(len(size), dtype)
+        return _random(kind, size, mode.placement, sbp, dtype, kwargs.get("requires_grad", False))
+
+    return build
+
+
+def _on_cpu_only(mode: GlobalMode, func, args, kwargs):
+    """Random integers come from torch's generator, which agrees across ranks with equal seeds on CPU only."""
+    if mode.placement.type != "cpu":
+        raise NotImplementedError(
+            f"{func.__name__} under global mode on a {mode.placement.type} placement: its values would "
+            "differ between ranks; draw it before the forward and pass it in with to_global"
+        )
+    return _value(mode, func, args, kwargs)
+
+
+def _holds_tensors(data) -> bool:
+    if isinstance(data, torch.Tensor):
+        return True
+    return isinstance(data, (list, tuple)) and any(_holds_tensors(d) for d in data)
+
+
+_LIKE = {torch.zeros_like, torch.ones_like, torch.full_like, torch.empty_like, torch.rand_like, torch.randn_like}
+_FROM_DATA = {torch.tensor, torch.as_tensor}
+
+# Each factory torch function and how it is built under global mode.
+FACTORIES = {
+    **dict.fromkeys(
+        [torch.arange, torch.zeros, torch.ones, torch.full, torch.empty, torch.eye, torch.linspace, torch.logspace]
+        + [torch.tensor, torch.as_tensor, torch.scalar_tensor, torch.tril_indices, torch.triu_indices]
+        + [torch.zeros_like, torch.ones_like, torch.full_like, torch.empty_like],
+        _value,
+    ),
+    torch.rand: _random_factory("uniform"),
+    torch.rand_like: _random_factory("uniform"),
+    torch.randn: _random_factory("normal"),
+    torch.randn_like: _random_factory("normal"),
+    torch.randint: _on_cpu_only,
+    torch.randperm: _on_cpu_only,
+}
+
+
+def global_mode(placement: Placement, sbp=broadcast) -> GlobalMode:
+    """Within ``with global_mode(placement, sbp):``, torch's factories (``arange``, ``zeros``, ``ones``, ``full``,
+    ``empty``, ``eye``, ``linspace``, ``tensor``/``as_tensor`` of Python data, ``*_like`` of plain tensors, and
+    the random factories) return global tensors on ``placement`` with ``sbp`` (one SBP for every placement axis,
+    or a tuple; a split along a dim the new tensor lacks is broadcast). Random values come from sbp_torch's
+    layout-independent generator. Everything else runs as it would outside the block. Modes nest; the innermost
+    wins."""
+    return GlobalMode(placement, sbp)
