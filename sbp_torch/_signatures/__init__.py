@@ -2,6 +2,7 @@
 rules see only metadata, local functions only their ``LocalContext``."""
 
 from . import (  # noqa: F401  (registration by import)
+    attention,
     convolution,
     embedding,
     factory,
