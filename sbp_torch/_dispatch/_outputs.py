@@ -242,4 +242,11 @@ def infer_outputs(bound: BoundCall) -> list[TensorInfo]:
     except Exception as err:  # noqa: BLE001 - no meta kernel, data-dependent shape, ...: the fallback runs it
         raise UnknownOutputs(f"cannot infer output shapes: {err}") from err
     leaves, _ = tree_flatten(out)
-    return [TensorInfo(tuple(o.shape), o.dtype) for o in leaves if isinstance(o, torch.Tensor)]
+    infos = [TensorInfo(tuple(o.shape), o.dtype) for o in leaves if isinstance(o, torch.Tensor)]
+    if bound.func is _BATCH_NORM and not bound.by_name["training"] and bound.placement.type == "cpu":
+        # torch's CPU kernel returns empty statistics in evaluation where its meta kernel says [C]
+        infos[1:] = [TensorInfo((0,), i.dtype) for i in infos[1:]]
+    return infos
+
+
+_BATCH_NORM = torch.ops.aten.native_batch_norm.default

@@ -101,6 +101,12 @@ def group_norm_backward(call: OpCall) -> list[Signature]:
 PER_CHANNEL = ("weight", "bias", "running_mean", "running_var", "save_mean", "save_invstd")
 
 
+def _channel_split(info: TensorInfo):
+    """A per-channel tensor's SBP when the channels are split: S(0), or B for the empty statistics that torch's
+    CPU kernel returns in evaluation."""
+    return B if info.shape == (0,) else S(0)
+
+
 def _covered_dims(ndim: int) -> list[int]:
     """The dims batch-norm statistics are taken over: all but the channels."""
     return [d for d in range(ndim) if d != 1]
@@ -135,10 +141,13 @@ def _sync_batch_norm(func, ctx: LocalContext):
 
 
 def _evaluation_batch_norm(func, ctx: LocalContext):
-    """Batch norm in evaluation. The CPU kernel returns empty save_mean/save_invstd where the meta kernel,
-    which decides the output shapes, says [C]: return the statistics used, running mean and 1/sqrt(var + eps)."""
+    """Batch norm in evaluation. On CPU the outputs are declared as torch's CPU kernel gives them (empty
+    save_mean/save_invstd); elsewhere as the meta kernel says, [C]: then return the statistics used, the
+    running mean and 1/sqrt(var + eps)."""
     a = ctx.arguments
-    out, _, _ = ctx.call(func)
+    out, save_mean, save_invstd = ctx.call(func)
+    if ctx.outputs[1].shape == (0,):
+        return out, save_mean.new_empty(0), save_invstd.new_empty(0)
     return out, a["running_mean"].clone(), (a["running_var"] + a["eps"]).rsqrt()
 
 
@@ -174,7 +183,10 @@ def batch_norm(call: OpCall) -> list[Signature]:
     signatures = []
     if not stats_written:
         channel_kernel = None if training else EVALUATION
-        signatures.append(Signature((S(1),) + (S(0),) * len(per_channel), (S(1), S(0), S(0)), local_fn=channel_kernel))
+        statistics = tuple(_channel_split(o) for o in call.outputs[1:])
+        signatures.append(
+            Signature((S(1),) + (S(0),) * len(per_channel), (S(1),) + statistics, local_fn=channel_kernel)
+        )
     for d in _covered_dims(x.ndim):
         signatures.append(Signature((S(d),) + (B,) * len(per_channel), (S(d), B, B), local_fn=kernel))
     return signatures + [Signature((B,) * (1 + len(per_channel)), (B, B, B), local_fn=None if training else EVALUATION)]
@@ -189,7 +201,8 @@ def batch_norm_backward(call: OpCall) -> list[Signature]:
     x = call.inputs[1]
     n = len(_present(call, PER_CHANNEL))
     training = call.bound["train"]
-    signatures = [Signature((S(1), S(1)) + (S(0),) * n, _masked(call, (S(1), S(0), S(0))))]
+    channels = tuple(_channel_split(call.bound[name]) for name in _present(call, PER_CHANNEL))
+    signatures = [Signature((S(1), S(1)) + channels, _masked(call, (S(1), S(0), S(0))))]
     for d in _covered_dims(x.ndim):
         grads = (S(d), B, B) if training else (S(d), P, P)
         kernel = SYNC_STATS if training else None
