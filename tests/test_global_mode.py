@@ -202,7 +202,9 @@ def _formulas(ranks):
     both("prod", lambda t: t.prod(dim=1), x)
     both("cummax", lambda t: torch.cummax(t, dim=1).values, x)
     both("getitem", lambda t: t[[1, 3]], x)
-    with st.strict():  # the fused attention has its own rule: no fallback
+    with st.strict():  # these have rules of their own: no fallback
+        both("pad", lambda t: F.pad(t, (1, 2), value=0.5), x)
+        both("safe softmax", lambda t: torch.ops.aten._safe_softmax(t, -1), x)
         for sbp in (split(0), split(1)):
             both(
                 f"attention {sbp}",

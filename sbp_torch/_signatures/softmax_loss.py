@@ -1,4 +1,5 @@
-"""Softmax, log-softmax, the negative log-likelihood loss (cross entropy = log-softmax + nll) and mse_loss.
+"""Softmax, log-softmax and ``_safe_softmax``, the negative log-likelihood loss (cross entropy = log-softmax + nll)
+and mse_loss.
 
 ``_softmax`` / ``_log_softmax`` over ``dim`` and their ``_backward_data`` ops:
 
@@ -75,6 +76,15 @@ def softmax(call: OpCall) -> list[Signature]:
     dim = call.bound["dim"] % max(ndim, 1)
     signatures = [Signature((S(d),), (S(d),), local_fn=SOFTMAX if d == dim else None) for d in range(ndim)]
     return signatures + [Signature((B,), (B,))]
+
+
+@register(aten._safe_softmax)
+def safe_softmax(call: OpCall) -> list[Signature]:
+    """Softmax that gives zeros for rows of -inf (attention masks): rows are independent; the softmax dim stays
+    whole."""
+    ndim = call.inputs[0].ndim
+    dim = call.bound["dim"] % max(ndim, 1)
+    return [Signature((S(d),), (S(d),)) for d in range(ndim) if d != dim] + [Signature((B,), (B,))]
 
 
 @register(aten._softmax_backward_data, aten._log_softmax_backward_data, local_fns={SOFTMAX: _softmax_backward})

@@ -25,7 +25,7 @@ transposed tensor need not be viewable even where the logical tensor (always con
 
 import torch
 
-from .core import LocalContext, OpCall, S, Signature, Split, pass_through, register
+from .core import B, LocalContext, OpCall, P, S, Signature, Split, pass_through, register
 
 aten = torch.ops.aten
 
@@ -257,3 +257,15 @@ def stack(call: OpCall) -> list[Signature]:
     n, k = call.inputs[0].ndim, len(call.inputs)
     dim = call.arg("dim", 0) % (n + 1)
     return [Signature((S(d),) * k, (S(d + (d >= dim)),)) for d in range(n)] + pass_through(k, 1)
+
+
+@register(aten.constant_pad_nd.default)
+def constant_pad(call: OpCall) -> list[Signature]:
+    """Padding changes the last ``len(pad) // 2`` dims: the others may stay split. Partial sums pass only when the
+    padding value is 0 (the sum of zeros); max and min pass for any value only if every rank pads alike, which
+    they do not (a partial max's idle parts hold -inf), so they are boxed."""
+    n = call.inputs[0].ndim
+    padded = len(call.bound["pad"]) // 2
+    splits = [Signature((S(d),), (S(d),)) for d in range(n - padded)]
+    partial = [Signature((P,), (P,))] if call.arg("value", 0) == 0 else []
+    return splits + partial + [Signature((B,), (B,))]
