@@ -41,8 +41,17 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.11", "numpy"],  # numpy only to keep torch from warning at import
     extras_require={
-        # expecttest: imported by torch's OpInfo database; ruff and import-linter: the lint tests
-        "test": ["pytest>=7", "pytest-timeout", "hypothesis>=6", "expecttest", "ruff", "import-linter"],
+        # expecttest: imported by torch's OpInfo database; ruff and import-linter: the lint tests; transformers
+        # (pinned: the zoo test trains its models as they are in that version)
+        "test": [
+            "pytest>=7",
+            "pytest-timeout",
+            "hypothesis>=6",
+            "expecttest",
+            "ruff",
+            "import-linter",
+            "transformers==5.24.0",
+        ],
         "bench": ["matplotlib"],
     },
     **_cuda_extensions(),
