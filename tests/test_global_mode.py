@@ -84,7 +84,8 @@ def test_factories_under_global_mode_give_the_plain_values(shape, sbp, world, se
 
 
 class PositionalMlp(torch.nn.Module):
-    """A module that builds tensors of its own in forward, as model code does: positions, a mask, a constant."""
+    """A module that builds tensors of its own in forward, as model code does: positions, a mask, a constant; and
+    converts an activation (whose collectives allocate plain buffers of this rank's own)."""
 
     def __init__(self):
         super().__init__()
@@ -95,6 +96,8 @@ class PositionalMlp(torch.nn.Module):
     def forward(self, ids):
         positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
         h = self.embed((ids + positions) % 16)
+        if h.is_global:  # (the reference runs it on plain tensors) sbp_torch's own buffers stay plain in global mode
+            h = h.to_global(sbp=(broadcast,) * h.placement.ndim)
         causal = torch.full((ids.shape[1], ids.shape[1]), float("-inf"), device=h.device).triu(1)
         weights = torch.softmax(h @ h.transpose(1, 2) + causal, dim=-1)
         h = weights @ self.down(torch.relu(self.up(h)))

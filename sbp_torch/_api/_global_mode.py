@@ -8,8 +8,12 @@ exact. ``Module.to_global`` turns this mode on around each call of the module it
 Which functions are factories, and how each builds its value, is the table ``FACTORIES``. Random factories draw
 from sbp_torch's layout-independent generator, so they too agree across ranks (given equal seeds). A factory asked
 for a device of another type than the placement's (``"meta"``, say) builds the plain tensor it was asked for, and
-``*_like`` of a global tensor is that tensor's own op, unchanged.
+``*_like`` of a global tensor is that tensor's own op, unchanged. Factories that sbp_torch's own code calls (a
+conversion's buffers, inside a forward) build plain tensors, as outside the mode.
 """
+
+import os
+import sys
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -30,16 +34,16 @@ class GlobalMode(TorchFunctionMode):
         self.sbp = sbp
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        kwargs = dict(kwargs or {})
         build = FACTORIES.get(func)
-        if build is None or "out" in kwargs or not self._builds_here(kwargs.get("device")):
+        if build is None or "out" in kwargs or not self._builds_here(kwargs.get("device")) or _called_by_sbp_torch():
             return func(*args, **kwargs)
         return build(self, func, args, kwargs)
 
     def _builds_here(self, device) -> bool:
         return device is None or torch.device(device).type == self.placement.type
 
-    def sbp_for(self, ndim: int, dtype) -> tuple:
+    def sbp_for(self, ndim: int) -> tuple:
         """The mode's SBP for a new tensor; a split the tensor has no dim for is broadcast instead."""
         sbp = self.sbp if isinstance(self.sbp, tuple) else (self.sbp,) * self.placement.ndim
         return tuple(broadcast if isinstance(s, Split) and not -ndim <= s.dim < ndim else s for s in sbp)
@@ -54,7 +58,7 @@ def _value(mode: GlobalMode, func, args, kwargs):
     requires_grad = kwargs.pop("requires_grad", False)
     kwargs["device"] = mode.placement.device()
     value = func(*args, **kwargs)
-    return _from_value(value, mode.placement, mode.sbp_for(value.dim(), value.dtype), requires_grad)
+    return _from_value(value, mode.placement, mode.sbp_for(value.dim()), requires_grad)
 
 
 def _random_factory(kind: str):
@@ -70,7 +74,7 @@ def _random_factory(kind: str):
                 f"{func.__name__} under global mode: a generator of this rank's own cannot give values that agree "
                 "across ranks; leave generator out (sbp_torch's generator follows torch.manual_seed)"
             )
-        sbp = mode.sbp_for(len(size), dtype)
+        sbp = mode.sbp_for(len(size))
         return _random(kind, size, mode.placement, sbp, dtype, kwargs.get("requires_grad", False))
 
     return build
@@ -84,6 +88,19 @@ def _on_cpu_only(mode: GlobalMode, func, args, kwargs):
             "differ between ranks; draw it before the forward and pass it in with to_global"
         )
     return _value(mode, func, args, kwargs)
+
+
+def _called_by_sbp_torch() -> bool:
+    """Whether the factory call comes from sbp_torch's own code (a conversion's buffers, say), directly or through
+    torch's Python code (``torch.distributed``): those tensors are this rank's own and stay plain."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(_TORCH_DIR):
+        frame = frame.f_back
+    return frame is not None and frame.f_code.co_filename.startswith(_OWN_DIR)
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_OWN_DIR = os.path.dirname(os.path.dirname(__file__)) + os.sep
 
 
 def _holds_tensors(data) -> bool:
