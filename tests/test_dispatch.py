@@ -453,3 +453,14 @@ def implicit_broadcast_body():
 
 def test_implicit_broadcast_of_plain_tensors():
     run_on_world(2, implicit_broadcast_body)
+
+
+def sparse_result_body():
+    x = torch.randn(4, 3).to_global(st.placement("cpu", [0, 1]), broadcast)
+    with pytest.raises(NotImplementedError, match="sparse_coo tensor; global tensors are dense"):
+        x.to_sparse()
+
+
+def test_an_op_with_a_sparse_result_raises_instead_of_wrapping_it():
+    """A global tensor reporting a strided layout over a sparse part would give wrong layouts downstream."""
+    run_on_world(2, sparse_result_body)

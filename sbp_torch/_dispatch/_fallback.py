@@ -75,6 +75,8 @@ def run_fallback(bound: BoundCall, why: str):
     def wrap(o):
         if not isinstance(o, torch.Tensor):
             return o
+        if o.layout != torch.strided:  # a global tensor is dense: wrapping this would report a layout it lacks
+            raise NotImplementedError(f"{bound.func} returns a {o.layout} tensor; global tensors are dense (strided)")
         meta = GlobalMeta(tuple(o.shape), o.dtype, placement, replicated)
         return GlobalTensor(o if member else o.new_empty(0, device=device), meta)
 
