@@ -24,30 +24,8 @@ pytestmark = pytest.mark.gloo
 # global mode: factories return global tensors
 
 
-def _factories(ranks, sbp, shape, seed):
-    p = st.placement("cpu", ranks)
-    torch.manual_seed(seed)
-    with st.global_mode(p, sbp):
-        made = {
-            "zeros": torch.zeros(shape),
-            "ones": torch.ones(*shape, dtype=torch.int64),
-            "full": torch.full(shape, 2.5),
-            "arange": torch.arange(3, 3 + 2 * math.prod(shape), 2).reshape(shape),
-            "eye": torch.eye(shape[0]),
-            "linspace": torch.linspace(0, 1, shape[-1]),
-            "tensor": torch.tensor([[1.5, -2.0], [0.0, 4.0]]),
-            "zeros_like": torch.zeros_like(torch.empty(shape)),
-            "randn": torch.randn(shape),
-            "rand_like": torch.rand_like(torch.empty(shape)),
-            "randint": torch.randint(0, 9, shape),
-        }
-        plain = torch.ones(3, device="meta")  # another device type: the plain tensor asked for
-    assert not plain.is_global and not torch.zeros(2).is_global  # outside the block: plain again
-    return {name: (t.is_global, t.full_tensor()) for name, t in made.items()}
-
-
-def _plain_factories(shape, seed):
-    torch.manual_seed(seed)
+def _build(shape) -> dict:
+    """One tensor from each factory; under global mode the same calls give global tensors."""
     return {
         "zeros": torch.zeros(shape),
         "ones": torch.ones(*shape, dtype=torch.int64),
@@ -56,11 +34,21 @@ def _plain_factories(shape, seed):
         "eye": torch.eye(shape[0]),
         "linspace": torch.linspace(0, 1, shape[-1]),
         "tensor": torch.tensor([[1.5, -2.0], [0.0, 4.0]]),
-        "zeros_like": torch.zeros(shape),
+        "zeros_like": torch.zeros_like(torch.empty(shape)),
         "randn": torch.randn(shape),
-        "rand_like": torch.rand(shape),
+        "rand_like": torch.rand_like(torch.empty(shape)),
         "randint": torch.randint(0, 9, shape),
     }
+
+
+def _factories(ranks, sbp, shape, seed):
+    p = st.placement("cpu", ranks)
+    torch.manual_seed(seed)
+    with st.global_mode(p, sbp):
+        made = _build(shape)
+        plain = torch.ones(3, device="meta")  # another device type: the plain tensor asked for
+    assert not plain.is_global and not torch.zeros(2).is_global  # outside the block: plain again
+    return {name: (t.is_global, t.full_tensor()) for name, t in made.items()}
 
 
 @settings(max_examples=8, deadline=None)
@@ -73,7 +61,8 @@ def _plain_factories(shape, seed):
 def test_factories_under_global_mode_give_the_plain_values(shape, sbp, world, seed):
     """Random (mostly uneven) shapes and layouts, partial included: each factory's logical value is the plain one;
     the random factories draw what one process draws after the same seed."""
-    want = _plain_factories(shape, seed)
+    torch.manual_seed(seed)
+    want = _build(shape)
     for got in run_on_world(world, _factories, list(range(world)), sbp, shape, seed):
         for name, (is_global, value) in got.items():
             assert is_global, name
