@@ -17,6 +17,7 @@ import random
 import zlib
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 DEFAULT_TOL = (1e-4, 1e-4)  # (atol, rtol); an OpInfo's own float32 tolerance overrides raise it
 WEIGHT_SEED = 7  # the fixed random weights of the backward loss
@@ -354,6 +355,23 @@ def _compare(got, want, what: str, atol: float, rtol: float):
 # --- one sample ---------------------------------------------------------------------------------------------
 
 
+class _SeededOps(TorchDispatchMode):
+    """Records whether any aten op run under it draws random numbers (tagged ``nondeterministic_seeded``, with a
+    dropout probability other than 0 where it has one)."""
+
+    def __init__(self):
+        super().__init__()
+        self.drew = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            names = [a.name for a in func._schema.arguments]
+            bound = dict(zip(names, args), **kwargs)
+            self.drew = self.drew or bound.get("dropout_p", bound.get("p", 1.0)) != 0
+        return func(*args, **kwargs)
+
+
 class SampleCheck:
     """One sample of one entry: the layouts it draws, then ``reference()``, ``forward()`` and ``backward()``.
 
@@ -374,6 +392,7 @@ class SampleCheck:
         tol: tuple[float, float],
         values_defined: bool = True,
         compile_backend: str | None = None,
+        partial_turn: int = 0,
     ):
         self.op, self.sample, self.backend, self.tol, self.seed = op, sample, backend, tol, seed
         self.values_defined = values_defined
@@ -389,6 +408,12 @@ class SampleCheck:
             return t
 
         map_tensors(draw, (sample.input, sample.args, sample.kwargs))
+        # Besides the random draws, sample i makes the (i mod n)-th of its n tensors that may be partial a partial
+        # sum on the first placement axis, so each argument position of an entry meets a partial input.
+        may_be_partial = [i for i, t in enumerate(self.tensors) if "P" in layout_choices(t)]
+        if may_be_partial:
+            at = may_be_partial[partial_turn % len(may_be_partial)]
+            self.layouts[at] = ("P",) + self.layouts[at][1:]
 
     def describe_layouts(self) -> str:
         return "[" + ", ".join("(" + ",".join(lay) + ")" for lay in self.layouts) + "]"
@@ -426,7 +451,12 @@ class SampleCheck:
 
     def reference(self) -> bool:
         ref_args, self.ref_memo = self._clones()
-        self.ref_out = self._call(ref_args)
+        with _SeededOps() as seeded:
+            self.ref_out = self._call(ref_args)
+        # Where an op that draws random numbers gives other values, the random streams differ (docs/randomness.md:
+        # bernoulli and dropout masks), not the op. (OpInfo's random entries reseed inside the op and restore the
+        # generator, so its state cannot tell; the aten ops' tags can.)
+        self.draws_random = seeded.drew
         return self._loss_inputs(self.ref_out) is not None
 
     def forward(self) -> None:

@@ -18,7 +18,7 @@ from collections import Counter, defaultdict
 
 BACKENDS = ("sbp", "dtensor")
 MESHES = ("2", "3", "2x2")
-FAILING = ("fail-forward", "fail-backward", "error", "timeout", "diverged")
+FAILING = ("fail-forward", "fail-backward", "random-stream", "error", "timeout", "diverged")
 
 
 def load_runs(folder: str) -> dict:
@@ -59,8 +59,8 @@ def cause(detail: str) -> str:
 def overall(runs: dict) -> list[str]:
     lines = [
         "| backend | mesh | entries checked | pass | pass % | without fallback | fail fwd | fail bwd "
-        "| error | hang / out of step | skipped | time in sweep | finished |",
-        "|" + "---|" * 13,
+        "| random stream | error | hang / out of step | skipped | time in sweep | finished |",
+        "|" + "---|" * 14,
     ]
     for (backend, mesh), res in runs.items():
         entries = res["entries"]
@@ -71,7 +71,8 @@ def overall(runs: dict) -> list[str]:
         done = "" if res["meta"].get("complete") else " (incomplete)"
         lines.append(
             f"| {backend} | {mesh} | {len(checked)} | {counts['pass']} | {_pct(counts['pass'], len(checked))} "
-            f"| {native_cell} | {counts['fail-forward']} | {counts['fail-backward']} | {counts['error']} "
+            f"| {native_cell} | {counts['fail-forward']} | {counts['fail-backward']} | {counts['random-stream']} "
+            f"| {counts['error']} "
             f"| {counts['timeout'] + counts['diverged']} | {counts['skipped']} "
             f"| {res['meta'].get('elapsed_s', 0):.0f} s{done} "
             f"| {res['meta'].get('finished', '-')} |"
@@ -170,7 +171,10 @@ def report(runs: dict) -> str:
         "  runs start from the same seed, and on CPU sbp_torch's random tensors equal one process's",
         "  (`docs/randomness.md`).",
         "* **pass**: every sample matches forward and backward. **fail-forward / fail-backward**: a sample ran",
-        "  but a value differs. **error**: a sample raised on the global tensors (first line shown). **timeout**:",
+        "  but a value differs. **random stream**: a value differs in a sample whose plain op drew from torch's",
+        "  generator (dropout and bernoulli masks: sbp_torch draws them layout-independently, from uniform values,",
+        "  not from torch's own stream for them; `docs/randomness.md`); counted as not passing. **error**: a",
+        "  sample raised on the global tensors (first line shown). **timeout**:",
         "  a collective did not complete in 20 s; **diverged**: the ranks ran different sequences of collectives",
         "  (sbp only; either ends the run, which resumes after that entry in fresh processes). **skipped**: no",
         "  float32 on CPU, no samples, sparse inputs, the plain op itself raises (CUDA-only jiterator ops), or",

@@ -190,7 +190,9 @@ def check_entry(
     tol, values_defined = tolerance(op), name not in VALUES_UNDEFINED
     skips = []
     for i, sample in enumerate(samples):
-        check = SampleCheck(op, sample, backend, mesh_ndim, stable_seed(name, i), tol, values_defined, compile_backend)
+        check = SampleCheck(
+            op, sample, backend, mesh_ndim, stable_seed(name, i), tol, values_defined, compile_backend, partial_turn=i
+        )
         where = f"sample {i} {check.describe_layouts()}"
         reason = check.skip_reason()
         if reason is None:
@@ -201,6 +203,8 @@ def check_entry(
             continue
         needs_backward = value and op.supports_autograd
         kind, value = agree(guarded(check.forward))
+        if kind == "fail" and check.draws_random:
+            kind = "random"
         if kind != "ok":
             return {**record, **_failed(kind, "forward", where, value)}
         record["samples"] += 1
@@ -210,6 +214,8 @@ def check_entry(
         if ref_grads is None:
             continue
         kind, value = agree(guarded(lambda: check.backward(ref_grads)))
+        if kind == "fail" and check.draws_random:
+            kind = "random"
         if kind != "ok":
             return {**record, **_failed(kind, "backward", where, value)}
         record["backward_samples"] += 1
@@ -228,7 +234,9 @@ def _shapes(samples) -> str:
 
 
 def _failed(kind: str, phase: str, where: str, message: str) -> dict:
-    status = {"fail": f"fail-{phase}", "error": "error", "timeout": "timeout", "diverged": "diverged"}[kind]
+    status = {"fail": f"fail-{phase}", "random": "random-stream", "error": "error", "timeout": "timeout"}.get(
+        kind, kind
+    )
     return {"status": status, "detail": f"{phase} {where}: {message}"}
 
 
