@@ -34,11 +34,11 @@ class GlobalMode(TorchFunctionMode):
         self.sbp = sbp
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
+        kwargs = kwargs or {}
         build = FACTORIES.get(func)
         if build is None or "out" in kwargs or not self._builds_here(kwargs.get("device")) or _called_by_sbp_torch():
             return func(*args, **kwargs)
-        return build(self, func, args, kwargs)
+        return build(self, func, args, dict(kwargs))  # (a copy: building edits it)
 
     def _builds_here(self, device) -> bool:
         return device is None or torch.device(device).type == self.placement.type
