@@ -231,3 +231,21 @@ def test_value_readers_give_the_logical_value():
         assert as_list == [[1.25, 2.0], [3.0, 4.5], [5.0, 6.0]]
         assert array.tolist() == as_list
         assert text == "43.5000" and number == 43.5
+
+
+# a KV cache's first concatenation: an empty 1-D tensor that global mode built, and split keys
+
+
+def _cache_cat(ranks):
+    p = st.placement("cpu", ranks)
+    keys = torch.arange(60.0).reshape(5, 2, 6)
+    with st.global_mode(p):
+        empty = torch.tensor([])
+    got = torch.cat([empty, keys.to_global(p, broadcast).to_global(sbp=split(0))], dim=-2)
+    return got.sbp, got.full_tensor()
+
+
+def test_concatenating_onto_an_empty_cache_keeps_the_split():
+    for sbp, value in run_on_world(3, _cache_cat, [0, 1, 2]):
+        assert sbp == (split(0),)  # not gathered to broadcast for the empty tensor's sake
+        assert torch.equal(value, torch.arange(60.0).reshape(5, 2, 6))

@@ -246,10 +246,14 @@ def view(call: OpCall) -> list[Signature]:
 @register(aten.cat.default)
 def cat(call: OpCall) -> list[Signature]:
     n, k = call.outputs[0].ndim, len(call.inputs)
-    if any(x.ndim != n for x in call.inputs):  # legacy: cat skips 1-D empty inputs of any other rank
+    # legacy: cat skips 1-D empty inputs of any other rank (a KV cache's first keys); they hold nothing, so they
+    # stay broadcast while the others keep their split
+    skipped = [x.ndim != n and x.shape == (0,) for x in call.inputs]
+    if any(x.ndim != n and not skip for x, skip in zip(call.inputs, skipped)):
         return pass_through(k, 1)
     dim = _norm(call.arg("dim", 0), n)
-    return [Signature((S(d),) * k, (S(d),)) for d in range(n) if d != dim] + pass_through(k, 1)
+    splits = [Signature(tuple(B if skip else S(d) for skip in skipped), (S(d),)) for d in range(n) if d != dim]
+    return splits + pass_through(k, 1)
 
 
 @register(aten.stack.default)
