@@ -36,7 +36,13 @@ class GlobalMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         build = FACTORIES.get(func)
-        if build is None or "out" in kwargs or not self._builds_here(kwargs.get("device")) or _called_by_sbp_torch():
+        if (
+            build is None
+            or "out" in kwargs
+            or (func in _LIKE and isinstance(args[0], GlobalTensor))  # a global tensor's own op
+            or not self._builds_here(kwargs.get("device"))
+            or _called_by_sbp_torch()
+        ):
             return func(*args, **kwargs)
         return build(self, func, args, dict(kwargs))  # (a copy: building edits it)
 
@@ -51,8 +57,6 @@ class GlobalMode(TorchFunctionMode):
 
 def _value(mode: GlobalMode, func, args, kwargs):
     """Build the whole value on this rank, then keep this rank's part of it."""
-    if func in _LIKE and isinstance(args[0], GlobalTensor):
-        return func(*args, **kwargs)
     if func in _FROM_DATA and _holds_tensors(args[0] if args else kwargs.get("data")):
         return func(*args, **kwargs)  # a copy of a tensor it was given: one rank's value, which stays plain
     requires_grad = kwargs.pop("requires_grad", False)
@@ -64,8 +68,6 @@ def _value(mode: GlobalMode, func, args, kwargs):
 def _random_factory(kind: str):
     def build(mode: GlobalMode, func, args, kwargs):
         if func in _LIKE:
-            if isinstance(args[0], GlobalTensor):
-                return func(*args, **kwargs)
             size, dtype = tuple(args[0].shape), kwargs.get("dtype") or args[0].dtype
         else:
             size, dtype = _size(args if args else (kwargs["size"],)), kwargs.get("dtype")
