@@ -241,11 +241,15 @@ def _cache_cat(ranks):
     keys = torch.arange(60.0).reshape(5, 2, 6)
     with st.global_mode(p):
         empty = torch.tensor([])
-    got = torch.cat([empty, keys.to_global(p, broadcast).to_global(sbp=split(0))], dim=-2)
-    return got.sbp, got.full_tensor()
+    split_keys = keys.to_global(p, broadcast).to_global(sbp=split(0)).requires_grad_()
+    got = torch.cat([empty, split_keys], dim=-2)
+    (got * got).sum().backward()
+    return got.sbp, got.detach().full_tensor(), split_keys.grad.full_tensor()
 
 
 def test_concatenating_onto_an_empty_cache_keeps_the_split():
-    for sbp, value in run_on_world(3, _cache_cat, [0, 1, 2]):
+    keys = torch.arange(60.0).reshape(5, 2, 6)
+    for sbp, value, grad in run_on_world(3, _cache_cat, [0, 1, 2]):
         assert sbp == (split(0),)  # not gathered to broadcast for the empty tensor's sake
-        assert torch.equal(value, torch.arange(60.0).reshape(5, 2, 6))
+        assert torch.equal(value, keys)
+        assert torch.equal(grad, 2 * keys)  # the gradient of sum(x * x), as one process gives it
