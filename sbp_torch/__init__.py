@@ -11,7 +11,7 @@ out in layers (``docs/architecture.md``).
 
 import torch
 
-from . import kernels, sbp
+from . import checkpoint, kernels, sbp
 from ._api import (
     Caches,
     Collective,
@@ -39,6 +39,8 @@ from ._frontend import torch_function
 from ._layout import Placement as placement
 from ._layout import normalize_sbp
 from ._tensor import GlobalTensor, connect, full_tensor, gradient_sbp, to_local
+from .checkpoint import _hooks as _checkpoint_hooks
+from .checkpoint import full_state_dict
 
 __all__ = [
     "BoxingPlan",
@@ -56,6 +58,7 @@ __all__ = [
     "Explanation",
     "explain",
     "full",
+    "full_state_dict",
     "full_tensor",
     "global_mode",
     "gradient_sbp",
@@ -84,6 +87,7 @@ def boxing_plan(x: GlobalTensor, sbp) -> BoxingPlan:
 # The one place where the layers are wired together: the tensor type's torch entry points go to the
 # frontend and the dispatcher, and torch's own classes gain the conversions.
 connect(torch_function=torch_function, torch_dispatch=torch_dispatch)
+_checkpoint_hooks.install(GlobalTensor)  # the methods torch.distributed.checkpoint looks for
 torch.Tensor.to_global = to_global
 torch.nn.Module.to_global = module_to_global
 torch.Tensor.is_global = property(lambda self: isinstance(self, GlobalTensor), doc="Whether this is a global tensor.")

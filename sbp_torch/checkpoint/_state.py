@@ -1,0 +1,147 @@
+"""``save`` and ``load`` of a training state through ``torch.distributed.checkpoint``, and the full state on one
+rank. The state is a dict whose values are tensors (global or plain), nested dicts and lists of them, plain
+values, or objects with ``state_dict``/``load_state_dict`` (modules, optimizers), as DCP takes them."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.stateful import Stateful
+
+from .._layout import Partial, Placement, broadcast, partials_as_broadcast
+from .._tensor import GlobalTensor
+from ._planners import CheckedLoadPlanner
+from ._storage import CheckpointError, Reader, Writer, read_metadata
+
+
+def _map_tensors(value, fn):
+    """``value`` with every tensor ``t`` in it replaced by ``fn(t)``, in new containers."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, dict):
+        return type(value)((key, _map_tensors(item, fn)) for key, item in value.items())
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map_tensors(item, fn) for item in value)
+    return value
+
+
+def _is_partial(t: torch.Tensor) -> bool:
+    return isinstance(t, GlobalTensor) and any(isinstance(s, Partial) for s in t.sbp)
+
+
+def _reduced(t: torch.Tensor) -> torch.Tensor:
+    # a partial tensor's parts are not values: its reduced value, laid out with each partial axis broadcast
+    return t.detach().to_global(sbp=partials_as_broadcast(t.sbp)) if _is_partial(t) else t
+
+
+def _unwrapped(err: CheckpointException, what: str) -> CheckpointError:
+    """DCP's report of ranks that failed inside it (a BaseException) as a ``CheckpointError``: the error itself
+    where it is one (a metadata problem, raised by every rank alike), else naming the ranks and their errors."""
+    causes = {rank: failure[0] if isinstance(failure, tuple) else failure for rank, failure in err.failures.items()}
+    for cause in causes.values():
+        if isinstance(cause, CheckpointError):
+            return cause
+    lines = "; ".join(f"rank {rank}: {type(cause).__name__}: {cause}" for rank, cause in sorted(causes.items()))
+    return CheckpointError(f"{what} failed on rank(s) {sorted(causes)}: {lines}")
+
+
+def save(state: dict, path: str | os.PathLike, *, sync_files: bool = True) -> None:
+    """Save ``state`` to the checkpoint ``path``; every rank calls it with the same keys.
+
+    Each rank writes the boxes of the global tensors it holds, each box once (where a broadcast axis repeats
+    it, DCP picks the writer); partial tensors are reduced on the way out; plain tensors and values are written
+    once. Nothing is gathered to one rank. ``path`` is published only when every rank has finished: an
+    interrupted save leaves the previous checkpoint at ``path`` loadable."""
+    to_save = {key: value.state_dict() if isinstance(value, Stateful) else value for key, value in state.items()}
+    to_save = _map_tensors(to_save, _reduced)
+    try:
+        dcp.save(to_save, storage_writer=Writer(path, sync_files), planner=DefaultSavePlanner())
+    except CheckpointException as err:
+        raise _unwrapped(err, f"saving {path}") from err
+
+
+def load(state: dict, path: str | os.PathLike) -> None:
+    """Load the checkpoint ``path`` into ``state`` in place, resharding to the layouts the state holds now
+    (another world size, placement, SBPs). Modules and optimizers in ``state`` get ``load_state_dict``; an
+    optimizer that has not stepped yet gets its state made first (zero moments in its parameters' layouts).
+
+    Each rank reads only the rows of the stored boxes that its own parts need. If the checkpoint's keys, shapes
+    or dtypes differ from the state's, raises ``CheckpointError`` on every rank, naming each difference, before
+    any value changes (an optimizer state made for the load is dropped again)."""
+    reader = Reader(path, read_metadata(Path(path)))  # refuses a missing, half-written or corrupt checkpoint alike
+    made = [value for value in state.values() if isinstance(value, torch.optim.Optimizer) and _make_state(value)]
+    partial_targets = []
+
+    def target(t: torch.Tensor) -> torch.Tensor:
+        if not _is_partial(t):
+            return t
+        stand_in = torch.zeros_like(t.detach()).to_global(sbp=partials_as_broadcast(t.sbp))
+        partial_targets.append((t, stand_in))
+        return stand_in
+
+    to_load = {key: value.state_dict() if isinstance(value, Stateful) else value for key, value in state.items()}
+    to_load = _map_tensors(to_load, target)
+    try:
+        dcp.load(to_load, storage_reader=reader, planner=CheckedLoadPlanner())
+    except (CheckpointException, CheckpointError) as err:
+        for optimizer in made:
+            optimizer.state.clear()
+        raise (_unwrapped(err, f"loading {path}") if isinstance(err, CheckpointException) else err) from err
+    with torch.no_grad():
+        for original, stand_in in partial_targets:
+            original.copy_(stand_in)  # a global copy: lays the value out as the partial layout says
+    stand_ins = {id(stand_in): original for original, stand_in in partial_targets}
+    loaded = _map_tensors(to_load, lambda t: stand_ins.get(id(t), t))
+    for key, value in state.items():
+        if isinstance(value, Stateful):
+            value.load_state_dict(loaded[key])
+        else:
+            state[key] = loaded[key]
+
+
+def _make_state(optimizer: torch.optim.Optimizer) -> bool:
+    """Give an optimizer that has not stepped its state, by one step with zero gradients and a learning rate
+    of 0 (parameters do not change); return whether it did. Existing gradients are kept."""
+    if optimizer.state:
+        return False
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    grads = [p.grad for p in params]
+    rates = [group.get("lr") for group in optimizer.param_groups]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for group in optimizer.param_groups:
+        if "lr" in group:
+            group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], torch.Tensor) else 0.0
+    try:
+        optimizer.step()
+    finally:
+        for group, rate in zip(optimizer.param_groups, rates):
+            if rate is not None:
+                group["lr"] = rate
+        for p, grad in zip(params, grads):
+            p.grad = grad
+    return True
+
+
+def full_state_dict(source, rank: int = 0) -> dict:
+    """The state of ``source`` (a module, an optimizer, or a state dict) as plain CPU tensors on ``rank``, the
+    logical values; an empty dict on every other rank. Every rank calls it. Global tensors travel to ``rank``
+    one at a time, partial ones reduced on the way, so other ranks hold no more than their own parts. The
+    result loads with ``torch.load(..., weights_only=True)`` once saved, and into ``safetensors`` files."""
+    state = source.state_dict() if hasattr(source, "state_dict") else source
+    here = dist.get_rank() == rank
+
+    def gathered(t: torch.Tensor) -> torch.Tensor | None:
+        if isinstance(t, GlobalTensor):
+            one = Placement(t.placement.type, ranks=[rank])
+            t = t.detach().to_global(one, (broadcast,)).to_local()
+        return t.detach().cpu() if here else None
+
+    out = _map_tensors(state, gathered)
+    return out if here else {}
