@@ -21,14 +21,18 @@ from ._api import (
     cache_info,
     empty,
     explain,
+    from_dtensor,
     full,
     global_mode,
+    module_from_dtensor,
+    module_to_dtensor,
     module_to_global,
     ones,
     rand,
     randn,
     set_cache_size,
     tensor,
+    to_dtensor,
     to_global,
     zeros,
 )
@@ -57,12 +61,15 @@ __all__ = [
     "empty",
     "Explanation",
     "explain",
+    "from_dtensor",
     "full",
     "full_state_dict",
     "full_tensor",
     "global_mode",
     "gradient_sbp",
     "implicit_broadcast",
+    "module_from_dtensor",
+    "module_to_dtensor",
     "module_to_global",
     "ones",
     "placement",
@@ -90,4 +97,5 @@ connect(torch_function=torch_function, torch_dispatch=torch_dispatch)
 _checkpoint_hooks.install(GlobalTensor)  # the methods torch.distributed.checkpoint looks for
 torch.Tensor.to_global = to_global
 torch.nn.Module.to_global = module_to_global
+GlobalTensor.to_dtensor = to_dtensor
 torch.Tensor.is_global = property(lambda self: isinstance(self, GlobalTensor), doc="Whether this is a global tensor.")
