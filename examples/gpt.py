@@ -1,7 +1,7 @@
 """A GPT-style transformer trained with data, tensor (Megatron-style) and hybrid parallelism on CPU ranks.
 
     python -m torch.distributed.run --standalone --nproc-per-node 4 examples/gpt.py [--steps 20] [--mode all]
-        [--compile [inductor|aot_eager]]
+        [--compile [inductor|aot_eager]] [--checkpoint-dir DIR [--checkpoint-every 5] [--resume]]
 
 The model is plain PyTorch (nothing in it knows about sbp_torch). Parallelism is a plan: which SBP each
 parameter gets, and how the batch is laid out. Every mode trains a copy of the same model for ``--steps``
@@ -17,6 +17,12 @@ on the same batches to within 1e-5 relative.
 
 With ``--compile``, the global model's forward and backward (``fullgraph=True``, gradient reduction included)
 and the optimizer step run through ``torch.compile``; the single-process reference stays eager.
+
+With ``--checkpoint-dir``, the global training saves its state (model, AdamW moments, the losses so far and
+torch's random generator) to ``DIR/<mode>`` every ``--checkpoint-every`` steps; with ``--resume`` it starts
+from that checkpoint where there is one, skipping the batches it already trained on. Under
+``torchrun --max-restarts=1``, a rank that dies mid-run restarts the job, which resumes from the last
+checkpoint and trains on to the same losses as an uninterrupted run (docs/checkpoint.md).
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from __future__ import annotations
 import argparse
 import copy
 import math
+import os
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -126,19 +134,43 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, idx, targets,
     return loss.item()
 
 
-def train(model: nn.Module, steps: int, layout=lambda t: t, batch: int = BATCH, backend=None) -> list[float]:
-    """Losses of ``steps`` AdamW steps; with ``backend``, the model and the optimizer step compiled by it."""
+class Checkpointing(NamedTuple):
+    """Where the training state is saved (``path``), how often (``every`` steps), and whether to start from it."""
+
+    path: str
+    every: int = 5
+    resume: bool = False
+
+
+def train(
+    model: nn.Module, steps: int, layout=lambda t: t, batch: int = BATCH, backend=None, checkpoint=None
+) -> list[float]:
+    """Losses of ``steps`` AdamW steps; with ``backend``, the model and the optimizer step compiled by it; with
+    ``checkpoint`` (a ``Checkpointing``), saved along the way and resumed."""
     optimizer = make_optimizer(model)
+    state = {"model": model, "optim": optimizer, "losses": [], "rng": torch.get_rng_state()}
+    if checkpoint and checkpoint.resume and os.path.exists(checkpoint.path):
+        st.checkpoint.load(state, checkpoint.path)
+        torch.set_rng_state(state["rng"])
+        if dist.get_rank() == 0:
+            print(f"resumed from the checkpoint after step {len(state['losses'])}", flush=True)
     if backend is not None:
         torch._dynamo.reset()  # each mode compiles afresh (docs/compile.md: several optimizers in one process)
         model = torch.compile(model, backend=backend, fullgraph=True)
         optimizer.step = torch.compile(optimizer.step, backend=backend)
-    return [train_step(model, optimizer, idx, targets, layout) for idx, targets in batches(steps, batch)]
+    losses = state["losses"]
+    for step, (idx, targets) in enumerate(batches(steps, batch)):
+        if step < len(losses):
+            continue  # trained on before the checkpoint: the data order stays that of an uninterrupted run
+        losses.append(train_step(model, optimizer, idx, targets, layout))
+        if checkpoint and (step + 1) % checkpoint.every == 0:
+            st.checkpoint.save({**state, "rng": torch.get_rng_state()}, checkpoint.path)
+    return losses
 
 
-def run(mode: str, steps: int, backend=None) -> tuple[list[float], list[float]]:
+def run(mode: str, steps: int, backend=None, checkpoint=None) -> tuple[list[float], list[float]]:
     """(single-process losses, global losses) for ``mode``, on every rank; ``backend`` compiles the global
-    training."""
+    training, ``checkpoint`` saves and resumes it."""
     torch.manual_seed(0)
     reference = GPT()
     model = copy.deepcopy(reference)
@@ -146,8 +178,8 @@ def run(mode: str, steps: int, backend=None) -> tuple[list[float], list[float]]:
     placement, plan, batch_sbp = plans(dist.get_world_size())[mode]
     model.to_global(placement, plan)
     replicated = (broadcast,) * placement.ndim
-    got = train(model, steps, lambda t: t.to_global(placement, replicated).to_global(sbp=batch_sbp), backend=backend)
-    return want, got
+    layout = lambda t: t.to_global(placement, replicated).to_global(sbp=batch_sbp)  # noqa: E731
+    return want, train(model, steps, layout, backend=backend, checkpoint=checkpoint)
 
 
 def main():
@@ -157,10 +189,16 @@ def main():
     parser.add_argument(
         "--compile", nargs="?", const="inductor", choices=["inductor", "aot_eager"], help="torch.compile backend"
     )
+    parser.add_argument("--checkpoint-dir", help="save the training state under this directory")
+    parser.add_argument("--checkpoint-every", type=int, default=5, help="steps between checkpoints")
+    parser.add_argument("--resume", action="store_true", help="start from the checkpoint, where there is one")
     args = parser.parse_args()
-    dist.init_process_group("gloo")
+    st.init_process_group("gloo")  # as torch.distributed's, and a restarted job rendezvouses afresh
     for mode in ["dp", "tp", "dp_tp"] if args.mode == "all" else [args.mode]:
-        want, got = run(mode, args.steps, args.compile)
+        checkpoint = None
+        if args.checkpoint_dir:
+            checkpoint = Checkpointing(os.path.join(args.checkpoint_dir, mode), args.checkpoint_every, args.resume)
+        want, got = run(mode, args.steps, args.compile, checkpoint)
         worst = max(abs(g - w) / abs(w) for g, w in zip(got, want))
         if dist.get_rank() == 0:
             print(
@@ -168,6 +206,7 @@ def main():
                 f"largest relative difference from one process: {worst:.1e}",
                 flush=True,
             )
+            print(f"{mode:6} losses " + " ".join(f"{loss:.9g}" for loss in got), flush=True)
         assert worst < 1e-5, f"{mode}: losses differ from single-process training by {worst:.1e}"
     if dist.get_rank() == 0:
         print("all modes match single-process training", flush=True)

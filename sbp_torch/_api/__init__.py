@@ -8,3 +8,4 @@ from ._factories import arange, empty, full, ones, rand, randn, tensor, zeros
 from ._global_mode import global_mode
 from ._module import module_to_global
 from ._to_global import to_global
+from ._world import init_process_group

@@ -5,6 +5,7 @@ values, or objects with ``state_dict``/``load_state_dict`` (modules, optimizers)
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -51,6 +52,20 @@ def _unwrapped(err: CheckpointException, what: str) -> CheckpointError:
     return CheckpointError(f"{what} failed on rank(s) {sorted(causes)}: {lines}")
 
 
+def _raise_everywhere(failure: BaseException | None, what: str) -> None:
+    """Raise on every rank if ``failure`` is not None on some rank: this rank's own error as it is (its message
+    names the entry), elsewhere a ``CheckpointError`` naming the ranks that failed and why."""
+    outcomes = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, None if failure is None else f"{type(failure).__name__}: {failure}")
+    failed = {rank: outcome for rank, outcome in enumerate(outcomes) if outcome is not None}
+    if not failed:
+        return
+    if isinstance(failure, CheckpointError):
+        raise failure
+    lines = "; ".join(f"rank {rank}: {outcome}" for rank, outcome in failed.items())
+    raise CheckpointError(f"{what} failed on rank(s) {sorted(failed)}: {lines}") from failure
+
+
 def save(state: dict, path: str | os.PathLike, *, sync_files: bool = True) -> None:
     """Save ``state`` to the checkpoint ``path``; every rank calls it with the same keys.
 
@@ -74,7 +89,11 @@ def load(state: dict, path: str | os.PathLike) -> None:
     Each rank reads only the rows of the stored boxes that its own parts need. If the checkpoint's keys, shapes
     or dtypes differ from the state's, raises ``CheckpointError`` on every rank, naming each difference, before
     any value changes (an optimizer state made for the load is dropped again)."""
-    reader = Reader(path, read_metadata(Path(path)))  # refuses a missing, half-written or corrupt checkpoint alike
+    try:
+        reader, failure = Reader(path, read_metadata(Path(path))), None
+    except CheckpointError as err:  # missing, half written or corrupt metadata
+        reader, failure = None, err
+    _raise_everywhere(failure, f"loading {path}")
     made = [value for value in state.values() if isinstance(value, torch.optim.Optimizer) and _make_state(value)]
     partial_targets = []
 
@@ -87,12 +106,23 @@ def load(state: dict, path: str | os.PathLike) -> None:
 
     to_load = {key: value.state_dict() if isinstance(value, Stateful) else value for key, value in state.items()}
     to_load = _map_tensors(to_load, target)
+    # Each rank plans and reads on its own (no_dist): a load plan needs nothing from other ranks, and DCP's
+    # exchange of every rank's pickled plan through rank 0 would cost more than the reading on small states.
+    # One exchange of outcomes afterwards makes every rank raise if one did.
     try:
-        dcp.load(to_load, storage_reader=reader, planner=CheckedLoadPlanner())
-    except (CheckpointException, CheckpointError) as err:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(to_load, storage_reader=reader, planner=CheckedLoadPlanner(), no_dist=True)
+    except CheckpointException as err:
+        failure = _unwrapped(err, f"loading {path}")
+    except (CheckpointError, OSError) as err:
+        failure = err
+    try:
+        _raise_everywhere(failure, f"loading {path}")
+    except CheckpointError:
         for optimizer in made:
             optimizer.state.clear()
-        raise (_unwrapped(err, f"loading {path}") if isinstance(err, CheckpointException) else err) from err
+        raise
     with torch.no_grad():
         for original, stand_in in partial_targets:
             original.copy_(stand_in)  # a global copy: lays the value out as the partial layout says
