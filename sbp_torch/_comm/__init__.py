@@ -1,9 +1,9 @@
 """Communication on ``torch.distributed``: process groups per placement axis, collectives along one axis (uneven
-parts included), point-to-point exchanges, and the metadata agreement that lets every rank raise alike."""
+parts included), point-to-point exchanges, the metadata agreement that lets every rank raise alike, and what a
+rank does when it can no longer stay in step with the others (``_faults.py``)."""
 
 from ._agreement import agree
 from ._collectives import (
-    CollectiveError,
     all_gather,
     all_reduce,
     all_to_all,
@@ -12,5 +12,6 @@ from ._collectives import (
     send_recv,
     start_all_reduce,
 )
+from ._faults import CollectiveError, caller_stops_one_rank_failures, close_world, collective_failed, posted_failures
 from ._groups import AxisGroup, axis_group, ensure_groups, forget_groups
-from ._primitives import observing
+from ._primitives import local_failure, observing

@@ -7,7 +7,7 @@ modes (it moves pickled Python values, not the program's tensors); the compiled 
 import torch.distributed as dist
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ._primitives import CollectiveError
+from ._faults import collective_failed
 
 
 def agree(what: str, agreed, local_shape: tuple[int, ...], check: bool) -> list[tuple[int, ...]]:
@@ -19,9 +19,10 @@ def agree(what: str, agreed, local_shape: tuple[int, ...], check: bool) -> list[
         with _disable_current_modes():
             dist.all_gather_object(gathered, (agreed, tuple(local_shape)))
     except RuntimeError as err:  # a peer died, or never called the same function
-        raise CollectiveError(
+        raise collective_failed(
             f"{what}: the metadata exchange over all {len(gathered)} ranks failed (every rank must make the same "
-            f"call); this rank passed {agreed} with local shape {tuple(local_shape)}: {err}"
+            f"call); this rank passed {agreed} with local shape {tuple(local_shape)}",
+            err,
         ) from err
     if check:
         first = gathered[0][0]

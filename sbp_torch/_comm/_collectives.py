@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 from . import _primitives as call
+from ._faults import collective_failed
 from ._groups import AxisGroup
-from ._primitives import CollectiveError
 
 # dtypes gloo cannot carry, each sent as a wider dtype that holds all its values exactly (so sums, maxima and
 # minima are those of the narrow values; a narrowing cast back wraps integer sums as the narrow type would).
@@ -187,9 +187,10 @@ def send_recv(
                 work.wait()
         except RuntimeError as err:
             to, source = sorted({peer for _, peer, _ in sends}), sorted({peer for _, peer, _ in recvs})
-            raise CollectiveError(
+            raise collective_failed(
                 f"point-to-point exchange on rank {dist.get_rank()} (sending to ranks {to}, receiving from ranks "
-                f"{source}) of {like.dtype} pieces failed while waiting for the other ranks: {err}"
+                f"{source}) of {like.dtype} pieces failed while waiting for the other ranks",
+                err,
             ) from err
     return [_off_wire(buf, like.dtype) for buf in buffers]
 

@@ -67,6 +67,8 @@ class AxisGroup:
     ranks: tuple[int, ...]
     index: int
     process_group: object | None  # None for a one-rank axis: nothing to communicate
+    placement: Placement | None = None  # what the group is an axis of, for messages (None: a bare group)
+    axis: int = 0
 
     @property
     def size(self) -> int:
@@ -83,7 +85,10 @@ class AxisGroup:
         return self.coord_of_group_rank == tuple(range(self.size))
 
     def describe(self) -> str:
-        return f"ranks {list(self.ranks)}"
+        """Where a collective on this group runs, for messages."""
+        if self.placement is None:
+            return f"on ranks {list(self.ranks)}"
+        return f"along axis {self.axis} of {self.placement!r} (ranks {list(self.ranks)})"
 
 
 def _process_group(ranks: tuple[int, ...]):
@@ -132,5 +137,5 @@ def axis_group(p: Placement, axis: int) -> AxisGroup:
     if (p, axis) not in _axis_groups:
         coord = p.local_coord()
         ranks = p.axis_ranks(axis, coord)
-        _axis_groups[(p, axis)] = AxisGroup(ranks, coord[axis], _groups_by_ranks[tuple(sorted(ranks))])
+        _axis_groups[(p, axis)] = AxisGroup(ranks, coord[axis], _groups_by_ranks[tuple(sorted(ranks))], p, axis)
     return _axis_groups[(p, axis)]

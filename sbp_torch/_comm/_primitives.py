@@ -14,6 +14,9 @@ import contextvars
 import torch
 import torch.distributed as dist
 
+from .._layout import Broadcast
+from . import _faults
+from ._faults import CollectiveError
 from ._groups import AxisGroup
 
 _functional = torch.ops._c10d_functional
@@ -22,10 +25,6 @@ _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.R
 # torch 2.13 renamed all_gather_into_tensor; keep working on 2.11.
 _all_gather_even = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_even = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-class CollectiveError(RuntimeError):
-    """A collective failed or timed out; the message names the collective, the ranks and the tensor."""
 
 
 # Who is told of each collective this context issues: None, or (callback, whether to stop at the functional
@@ -68,10 +67,21 @@ def run(what: str, group: AxisGroup, tensor: torch.Tensor, call):
     try:
         return call()
     except RuntimeError as err:  # gloo reports timeouts and peer failures as RuntimeError
-        raise CollectiveError(
-            f"{what} on {group.describe()} (this rank is index {group.index}) for a {tuple(tensor.shape)} "
-            f"{tensor.dtype} tensor failed while waiting for the other ranks: {err}"
+        raise _faults.collective_failed(
+            f"{what} {group.describe()}, this rank is index {group.index}, for a {tuple(tensor.shape)} "
+            f"{tensor.dtype} tensor, failed while waiting for the other ranks",
+            err,
         ) from err
+
+
+def local_failure(what, err: Exception, placement=None, inputs=None) -> None:
+    """The local computation of ``what`` on ``placement`` (None: unknown) raised ``err`` on this rank (see
+    ``_faults.local_failure``); ``inputs``: the metas of its inputs if the op ran on them as laid out (None: it
+    ran otherwise, or unknown). Nothing to do while traced: the tracer may catch it, and nothing ran."""
+    if not traced():
+        ranks = 0 if placement is None else len(placement.flat_ranks)
+        alike = inputs is not None and all(isinstance(s, Broadcast) for meta in inputs for s in meta.sbp)
+        _faults.local_failure(what, err, ranks, alike)
 
 
 def _name(group: AxisGroup) -> str:
@@ -131,9 +141,30 @@ def start_all_reduce(x: torch.Tensor, op: str, group: AxisGroup):
         return lambda: _functional.wait_tensor(started)
     out = x.clone()
     work = run(what, group, x, lambda: dist.all_reduce(out, _REDUCE_OPS[op], group.process_group, async_op=True))
+    started = _Started(what, group, x, work)
 
-    def finish() -> torch.Tensor:
-        run(what, group, x, work.wait)
+    def finish() -> torch.Tensor:  # holds no group: a group held keeps its connections open after a failure
+        started.wait()
         return out
 
     return finish
+
+
+class _Started:
+    """A started collective until it is waited for; ``_faults.close_world`` releases what it holds."""
+
+    __slots__ = ("what", "group", "tensor", "work", "__weakref__")
+
+    def __init__(self, what: str, group: AxisGroup, tensor: torch.Tensor, work):
+        self.what, self.group, self.tensor, self.work = what, group, tensor, work
+        _faults.HELD.add(self)
+
+    def release(self) -> None:
+        self.group = self.work = None
+
+    def wait(self) -> None:
+        group, work = self.group, self.work
+        self.release()
+        if work is None:
+            raise CollectiveError(f"{self.what}: this rank closed its process groups after a failure")
+        run(self.what, group, self.tensor, work.wait)

@@ -92,7 +92,11 @@ def compile_plan(bound: BoundCall, decision: Decision) -> CallPlan:
 
 def _run_simple(plan: CallPlan, func, args, kwargs):
     """``_run`` for a simple plan: no boxing, no local function, positional globals, one result."""
-    out = func(*[a._local if isinstance(a, GlobalTensor) else a for a in args], **kwargs)
+    try:
+        out = func(*[a._local if isinstance(a, GlobalTensor) else a for a in args], **kwargs)
+    except Exception as err:  # the others went on: closes this rank's world (docs/faults.md)
+        comm.local_failure(func, err, plan.placement, plan.local_inputs)
+        raise
     return (
         args[0] if plan.returns_written else checked_global(func, out, plan.decision.outputs[0], plan.local_shapes[0])
     )
@@ -127,10 +131,14 @@ def _run(plan: CallPlan, func, args, kwargs):
         device = tensors[0]._local.device
         outs = [GlobalTensor(torch.empty(0, dtype=m.dtype, device=device), m) for m in decision.outputs]
         return outs[0] if len(outs) == 1 else tuple(outs)
-    if decision.local_fn is None:
-        out = func(*local_args, **local_kwargs)
-    else:
-        out = decision.rule.local_fns[decision.local_fn](func, _context(plan, func, local_args, local_kwargs))
+    try:
+        if decision.local_fn is None:
+            out = func(*local_args, **local_kwargs)
+        else:
+            out = decision.rule.local_fns[decision.local_fn](func, _context(plan, func, local_args, local_kwargs))
+    except Exception as err:
+        comm.local_failure(func, err, plan.placement, None if decision.local_fn else plan.local_inputs)
+        raise
     if written and plan.returns_written:
         return written[0] if len(written) == 1 else tuple(written)
     if out is None:

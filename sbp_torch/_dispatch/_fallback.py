@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils._pytree import tree_map
 
+from .. import _comm as comm
 from .._boxing import box_local
 from .._layout import GlobalMeta, broadcast
 from .._tensor import GlobalTensor
@@ -63,7 +64,12 @@ def run_fallback(bound: BoundCall, why: str):
                 full_values[id(a)] = torch.empty(a.shape, dtype=a.dtype, device="meta")
         return full_values[id(a)]
 
-    out = func(*tree_map(full, bound.args), **tree_map(full, bound.kwargs))
+    full_args, full_kwargs = tree_map(full, bound.args), tree_map(full, bound.kwargs)
+    try:
+        out = func(*full_args, **full_kwargs)
+    except Exception as err:  # every member runs it on the same values: only out of memory is a rank's own
+        comm.local_failure(func, err, placement, ())
+        raise
     written = [bound.tensors[i] for i in bound.written]
     for g in written:
         if member and full_values[id(g)] is not g._local:

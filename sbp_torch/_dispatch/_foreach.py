@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import _comm as comm
 from .._tensor import GlobalTensor
 from ._bound import BoundCall
 from ._call_plan import checked_global
@@ -62,7 +63,11 @@ class ForeachPlan:
             local_args[where] = [t._local for t in args[where]]
         for where in self.singles:
             local_args[where] = args[where]._local
-        out = func(*local_args, **kwargs)
+        try:
+            out = func(*local_args, **kwargs)
+        except Exception as err:
+            comm.local_failure(func, err)
+            raise
         if self.schema.written:
             bump_written_lists(self.schema, args)
         if not self.outputs:

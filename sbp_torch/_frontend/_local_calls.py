@@ -30,6 +30,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from .. import _comm as comm
 from .._dispatch import LruCache, at, find_tensors, recording
 from .._layout import GlobalMeta
 from .._tensor import GlobalTensor, wrap_fresh
@@ -170,7 +171,11 @@ def call(func, types, args, kwargs):
         return _learn(func, types, args, kwargs, key)
     if plan is _REFUSED:
         return NOT_HANDLED
-    local = func(*local_args, **local_kwargs) if local_kwargs else func(*local_args)
+    try:
+        local = func(*local_args, **local_kwargs) if local_kwargs else func(*local_args)
+    except Exception as err:  # the others went on: closes this rank's world (docs/faults.md)
+        comm.local_failure(func, err)
+        raise
     result = plan.finish(local, args, kwargs)
     if result is None and plan.returns in ("tensor", "list", "tuple"):
         # Not what was learnt (a changed default dtype, say): forget the key; the dispatch path decides.

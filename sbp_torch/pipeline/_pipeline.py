@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import _comm as comm
 from .._layout import GlobalMeta, broadcast, narrow_to, normalize_sbp, partials_as_broadcast
 from .._tensor import GlobalTensor, gradient_sbp
 from . import _actors as actors
@@ -207,10 +208,11 @@ class Pipeline:
         for _, computes, _ in built.values():
             for actor in computes:
                 runtime.add(actor)
-        failure = None
+        failure, me = None, dist.get_rank()
         try:
-            runtime.run()
-            lanes.settle()
+            with comm.caller_stops_one_rank_failures():  # stopped below on every rank: the pipeline goes on
+                runtime.run()
+                lanes.settle()
         except _Stopped:
             failure = "stopped"
         except Exception as err:  # noqa: BLE001 - any stage error stops every rank
@@ -218,16 +220,28 @@ class Pipeline:
             where = getattr(err, "pipeline_stage", "/".join(map(str, self.local_stages)))
             store.set(
                 key,
-                f"stage {where} on rank {dist.get_rank()} raised {type(err).__name__}: {err}\n"
+                f"stage {where} on rank {me} raised {type(err).__name__}: {err}\n"
                 + "".join(traceback.format_exception(err)),
             )
+            if dist.is_initialized() and any(len(self.placements[s].flat_ranks) > 1 for s in self.local_stages):
+                # another rank of this rank's stages may wait in a collective that this rank will never join
+                failed = f"{type(err).__name__} in pipeline stage {where}: {err}"
+                comm.close_world(None if isinstance(err, comm.CollectiveError) else failed, err)
         self.events = runtime.events
         self.peak_activations = {stage: built[stage][2].peak for stage in self.local_stages}
-        report = dist.get_rank() == self.placements[-1].flat_ranks[0]
+        report = me == self.placements[-1].flat_ranks[0]
         flag = torch.tensor(
             [float(sum(losses)) if report and failure is None else 0.0, float(failure is not None)], dtype=torch.float64
         )
-        dist.all_reduce(flag)
+        try:
+            # after a failure that closed some rank's groups (docs/faults.md), the ranks cannot stop in step: a
+            # closed rank's transfers may hold its connections open, and the exchange would wait for the timeout
+            if not dist.is_initialized() or (failure is not None and comm.posted_failures()):
+                raise RuntimeError("process groups were closed after a failure")
+            dist.all_reduce(flag)
+        except RuntimeError as err:
+            closed = comm.collective_failed(f"pipeline step {self._steps - 1}: the ranks could not stop in step", err)
+            raise PipelineError(str(closed)) from (failure if isinstance(failure, Exception) else closed)
         if flag[1] > 0:
             lanes.drain()
             self._channels.clear()  # senders and receivers of an unfinished step guess different layouts next
