@@ -99,12 +99,17 @@ def _index_out_of_range_on_rank_1():
         _raise_when_all_raised(err, store, "faults/raised", 3, since)
 
 
+def _every_rank_fails(fn) -> dict:
+    """Each rank's failure (formatted traceback) when ``fn`` runs on a 3-rank world; every rank must fail."""
+    with pytest.raises(RankFailure) as caught:
+        run_on_world(3, fn)
+    assert caught.value.missing == []
+    return caught.value.failures
+
+
 @pytest.mark.gloo
 def test_an_exception_in_one_ranks_op_reaches_the_others_as_an_error():
-    with pytest.raises(RankFailure) as caught:
-        run_on_world(3, _index_out_of_range_on_rank_1)
-    failures = caught.value.failures
-    assert caught.value.missing == []
+    failures = _every_rank_fails(_index_out_of_range_on_rank_1)
     assert "IndexError: index out of range in self" in failures[1], failures[1]
     assert "rank 1 closed its process groups" in failures[1]
     for rank in (0, 2):
@@ -149,10 +154,7 @@ def _tensor_parallel_stage_fails():
 
 @pytest.mark.gloo
 def test_a_failing_tensor_parallel_stage_is_an_error_on_every_rank():
-    with pytest.raises(RankFailure) as caught:
-        run_on_world(3, _tensor_parallel_stage_fails)
-    failures = caught.value.failures
-    assert caught.value.missing == []
+    failures = _every_rank_fails(_tensor_parallel_stage_fails)
     assert "ValueError: boom in a stage" in failures[0]
     for rank in range(3):
         assert "PipelineError" in failures[rank], failures[rank]
