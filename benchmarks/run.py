@@ -24,7 +24,7 @@ import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(REPO, "docs", "benchmarks")
-SUITES = ["dispatch", "boxing", "optimizer", "train", "zoo", "compile", "pipeline", "pipeline_cuda"]
+SUITES = ["dispatch", "boxing", "optimizer", "train", "zoo", "compile", "pipeline", "checkpoint", "pipeline_cuda"]
 
 
 def _suite(name: str):
