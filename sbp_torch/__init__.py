@@ -83,6 +83,7 @@ __all__ = [
     "strict",
     "tensor",
     "to_global",
+    "to_dtensor",
     "to_local",
     "zeros",
 ]
