@@ -11,7 +11,6 @@ not hold, from a rank that holds the same partial term (the same coordinate on e
 from __future__ import annotations
 
 import functools
-from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +24,7 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 
 from .. import _comm as comm
 from .._boxing import Piece
-from .._boxing.pieces import Box, intersection, send_pieces
+from .._boxing.pieces import Box, holders, partial_term, pieces_from, send_pieces
 from .._layout import REDUCE_OPS, GlobalMeta, Partial, Placement, Split, broadcast, normalize_sbp
 from .._tensor import GlobalTensor, gradient, has_extreme
 from ._gradient_reducer import GradientReducer
@@ -117,28 +116,8 @@ def _pieces(meta: GlobalMeta, held: dict, needed: dict) -> tuple[Piece, ...]:
     """The pieces that give each rank its ``needed`` box of its partial term from the ``held`` boxes; a rank
     whose box does not change keeps its part and gets no piece. Holders of one box take turns."""
     p = meta.placement
-    partial_axes = [a for a, s in enumerate(meta.sbp) if isinstance(s, Partial)]
-
-    def term(c):
-        return tuple(c[a] for a in partial_axes)
-
-    holders: dict[tuple[Box, tuple[int, ...]], list[int]] = {}
-    for c in p.coords():
-        holders.setdefault((held[c], term(c)), []).append(p.rank_at(c))
-    turns: Counter = Counter()
-    pieces = []
-    for c in p.coords():
-        if held[c] == needed[c]:
-            continue
-        rank = p.rank_at(c)
-        for (box, box_term), ranks in holders.items():
-            common = intersection(box, needed[c]) if box_term == term(c) else None
-            if common is None:
-                continue
-            sender = rank if rank in ranks else ranks[turns[box, box_term] % len(ranks)]
-            turns[box, box_term] += sender != rank
-            pieces.append(Piece(sender, rank, *common))
-    return tuple(pieces)
+    receivers = [(p.rank_at(c), needed[c], partial_term(meta, c)) for c in p.coords() if held[c] != needed[c]]
+    return pieces_from(holders(meta, held), receivers)
 
 
 @functools.lru_cache(maxsize=1024)

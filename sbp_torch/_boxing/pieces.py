@@ -69,28 +69,31 @@ def fill_of(meta: GlobalMeta, coord: tuple[int, ...]):
     return reduction_identity(nonzero[-1].op, meta.dtype) if nonzero else None
 
 
-def holders(meta: GlobalMeta) -> dict[tuple[Box, tuple[int, ...]], list[int]]:
+def holders(meta: GlobalMeta, boxes: dict | None = None) -> dict[tuple[Box, tuple[int, ...]], list[int]]:
     """Each (box, partial term) that the ranks of ``meta`` hold, with its holders in coordinate order. The term
-    is the coordinates on the partial axes: ranks that differ only on broadcast axes hold the same thing."""
-    partial_axes = [a for a, s in enumerate(meta.sbp) if isinstance(s, Partial)]
+    is the coordinates on the partial axes: ranks that differ only on broadcast axes hold the same thing.
+    ``boxes`` (box by coordinate) replaces ``meta``'s own regions, for a layout that cuts them otherwise."""
     held: dict[tuple[Box, tuple[int, ...]], list[int]] = {}
     for c in meta.placement.coords():
-        term = tuple(c[a] for a in partial_axes)
-        held.setdefault((box_of(meta, c), term), []).append(meta.placement.rank_at(c))
+        box = box_of(meta, c) if boxes is None else boxes[c]
+        held.setdefault((box, partial_term(meta, c)), []).append(meta.placement.rank_at(c))
     return held
 
 
-def pieces_between(src: GlobalMeta, dst: GlobalMeta) -> tuple[Piece, ...]:
-    """The pieces that give every receiving rank of ``dst`` its box from the ranks of ``src``."""
-    held_by = holders(src)
-    turns: Counter = Counter()  # remote sends served per held (box, term) so far: the holders take turns
+def partial_term(meta: GlobalMeta, coord: tuple[int, ...]) -> tuple[int, ...]:
+    """The coordinates of ``coord`` on ``meta``'s partial axes: which term of the partial value it holds."""
+    return tuple(c for s, c in zip(meta.sbp, coord) if isinstance(s, Partial))
+
+
+def pieces_from(held_by: dict, receivers) -> tuple[Piece, ...]:
+    """The pieces that give each receiver ``(rank, box it needs, term)`` its box from the ``held_by`` boxes (as
+    ``holders`` gives them) of that partial term, or of every term when the term is None. A rank takes from
+    itself what it holds; the other holders of one box take turns."""
+    turns: Counter = Counter()  # remote sends served per held (box, term) so far
     pieces = []
-    for c in dst.placement.coords():
-        if fill_of(dst, c) is not None:
-            continue
-        rank, need = dst.placement.rank_at(c), box_of(dst, c)
+    for rank, need, term in receivers:
         for held, ranks in held_by.items():
-            common = intersection(held[0], need)
+            common = intersection(held[0], need) if term is None or held[1] == term else None
             if common is None:
                 continue
             if rank in ranks:
@@ -100,6 +103,15 @@ def pieces_between(src: GlobalMeta, dst: GlobalMeta) -> tuple[Piece, ...]:
                 turns[held] += 1
             pieces.append(Piece(sender, rank, *common))
     return tuple(pieces)
+
+
+def pieces_between(src: GlobalMeta, dst: GlobalMeta) -> tuple[Piece, ...]:
+    """The pieces that give every receiving rank of ``dst`` its box from the ranks of ``src`` (every term of a
+    partial ``src``, to be combined)."""
+    receivers = [
+        (dst.placement.rank_at(c), box_of(dst, c), None) for c in dst.placement.coords() if fill_of(dst, c) is None
+    ]
+    return pieces_from(holders(src), receivers)
 
 
 def cut(x: torch.Tensor, origin: tuple[int, ...], piece: Piece) -> torch.Tensor:
