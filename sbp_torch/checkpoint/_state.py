@@ -41,6 +41,12 @@ def _reduced(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to_global(sbp=partials_as_broadcast(t.sbp)) if _is_partial(t) else t
 
 
+def _failed_on(what: str, failures: dict[int, str]) -> CheckpointError:
+    """The error that names the ranks where ``what`` failed and each one's error."""
+    lines = "; ".join(f"rank {rank}: {text}" for rank, text in sorted(failures.items()))
+    return CheckpointError(f"{what} failed on rank(s) {sorted(failures)}: {lines}")
+
+
 def _unwrapped(err: CheckpointException, what: str) -> CheckpointError:
     """DCP's report of ranks that failed inside it (a BaseException) as a ``CheckpointError``: the error itself
     where it is one (a metadata problem, raised by every rank alike), else naming the ranks and their errors."""
@@ -48,8 +54,7 @@ def _unwrapped(err: CheckpointException, what: str) -> CheckpointError:
     for cause in causes.values():
         if isinstance(cause, CheckpointError):
             return cause
-    lines = "; ".join(f"rank {rank}: {type(cause).__name__}: {cause}" for rank, cause in sorted(causes.items()))
-    return CheckpointError(f"{what} failed on rank(s) {sorted(causes)}: {lines}")
+    return _failed_on(what, {rank: f"{type(cause).__name__}: {cause}" for rank, cause in causes.items()})
 
 
 def _raise_everywhere(failure: BaseException | None, what: str) -> None:
@@ -62,8 +67,13 @@ def _raise_everywhere(failure: BaseException | None, what: str) -> None:
         return
     if isinstance(failure, CheckpointError):
         raise failure
-    lines = "; ".join(f"rank {rank}: {outcome}" for rank, outcome in failed.items())
-    raise CheckpointError(f"{what} failed on rank(s) {sorted(failed)}: {lines}") from failure
+    raise _failed_on(what, failed) from failure
+
+
+def _state_dicts(state: dict) -> dict:
+    """``state`` with each object that has ``state_dict``/``load_state_dict`` (a module, an optimizer) replaced
+    by its state dict, as DCP takes it."""
+    return {key: value.state_dict() if isinstance(value, Stateful) else value for key, value in state.items()}
 
 
 def save(state: dict, path: str | os.PathLike, *, sync_files: bool = True) -> None:
@@ -73,8 +83,7 @@ def save(state: dict, path: str | os.PathLike, *, sync_files: bool = True) -> No
     it, DCP picks the writer); partial tensors are reduced on the way out; plain tensors and values are written
     once. Nothing is gathered to one rank. ``path`` is published only when every rank has finished: an
     interrupted save leaves the previous checkpoint at ``path`` loadable."""
-    to_save = {key: value.state_dict() if isinstance(value, Stateful) else value for key, value in state.items()}
-    to_save = _map_tensors(to_save, _reduced)
+    to_save = _map_tensors(_state_dicts(state), _reduced)
     try:
         dcp.save(to_save, storage_writer=Writer(path, sync_files), planner=DefaultSavePlanner())
     except CheckpointException as err:
@@ -104,8 +113,7 @@ def load(state: dict, path: str | os.PathLike) -> None:
         partial_targets.append((t, stand_in))
         return stand_in
 
-    to_load = {key: value.state_dict() if isinstance(value, Stateful) else value for key, value in state.items()}
-    to_load = _map_tensors(to_load, target)
+    to_load = _map_tensors(_state_dicts(state), target)
     # Each rank plans and reads on its own (no_dist): a load plan needs nothing from other ranks, and DCP's
     # exchange of every rank's pickled plan through rank 0 would cost more than the reading on small states.
     # One exchange of outcomes afterwards makes every rank raise if one did.
