@@ -24,7 +24,6 @@ the bytes of the rank's own parts of the state.
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import os
 import shutil
 import tempfile
@@ -39,7 +38,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import sbp_torch as st
 from benchmarks import harness
-from benchmarks.suites.optimizer import code_state
+from benchmarks.suites.optimizer import code_state, load_gpt_example
 from sbp_torch.sbp import Split
 
 TITLE = "Checkpoints: save and load of a training state with sbp_torch, DCP with DTensor, and the disk"
@@ -50,10 +49,7 @@ LIBRARIES = {"sbp_torch": "sbp_torch", "dtensor": "DCP + DTensor", "disk": "disk
 
 
 def _gpt_module():
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "gpt.py")
-    spec = importlib.util.spec_from_file_location("gpt_example", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_gpt_example()
     module.WIDTH, module.VOCAB = WIDTH, VOCAB  # the example's classes read these when built
     return module
 
@@ -156,7 +152,7 @@ def measure(world: int, quick: bool) -> list[dict]:
             for path in paths.values():
                 os.makedirs(os.path.dirname(path), exist_ok=True)
         dist.barrier()
-        disk_bytes = [0]
+        payload = [b""]  # what this rank writes for the disk: as many bytes as it wrote for sbp_torch
 
         def sbp_save():
             st.checkpoint.save({"model": model, "optim": optimizer}, paths["sbp_torch"])
@@ -170,19 +166,16 @@ def measure(world: int, quick: bool) -> list[dict]:
         def dt_load():
             dcp.load(dtensor_state, checkpoint_id=paths["dtensor"])
 
-        def disk_file():
-            return os.path.join(paths["disk"] + f".rank{dist.get_rank()}")
-
         def disk_save():
-            with open(disk_file(), "wb") as f:
-                f.write(bytes(disk_bytes[0]))
+            with open(f"{paths['disk']}.rank{dist.get_rank()}", "wb") as f:
+                f.write(payload[0])
                 f.flush()
                 os.fsync(f.fileno())
 
         def disk_load():  # the bytes this rank's own parts hold, from the files the ranks wrote
             left = own
             for rank in range(dist.get_world_size()):
-                with open(paths["disk"] + f".rank{rank}", "rb") as f:
+                with open(f"{paths['disk']}.rank{rank}", "rb") as f:
                     left -= len(f.read(left))
 
         timings = {(lib, op): [] for lib in LIBRARIES for op in ("save", "load")}
@@ -197,7 +190,7 @@ def measure(world: int, quick: bool) -> list[dict]:
         }
         sbp_save()  # warm-up, and the byte count each rank writes, for the disk's own files
         linked = os.path.realpath(paths["sbp_torch"])
-        disk_bytes[0] = os.path.getsize(os.path.join(linked, f"rank{dist.get_rank()}.data"))
+        payload[0] = bytes(os.path.getsize(os.path.join(linked, f"rank{dist.get_rank()}.data")))
         for fn in calls.values():
             fn()
         for _ in range(repeats):
