@@ -190,7 +190,10 @@ def _reduced_in_compiled_backward(ranks, backend):
     p = st.placement("cpu", ranks)
     x = torch.randn(13, 17, generator=torch.Generator().manual_seed(2))  # uneven rows on 3 ranks
     torch.manual_seed(0)
-    reference = torch.nn.Sequential(torch.nn.Linear(17, 31), torch.nn.ReLU(), torch.nn.Linear(31, 17))
+    # (LayerNorm: F.layer_norm passes its weight and bias to torch as keywords)
+    reference = torch.nn.Sequential(
+        torch.nn.Linear(17, 31), torch.nn.LayerNorm(31), torch.nn.ReLU(), torch.nn.Linear(31, 17)
+    )
     model = copy.deepcopy(reference).to_global(p, B)
     reference(x).pow(2).mean().backward()
     issued = {}

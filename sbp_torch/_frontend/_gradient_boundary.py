@@ -33,11 +33,17 @@ def _aot_tracing() -> bool:
     return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FUNCTIONAL) is not None
 
 
-def at_uses(func, args: tuple) -> tuple:
-    """``args`` with each marked parameter passed through the boundary, while AOTAutograd traces with grad on."""
+def _marked(a) -> bool:
+    return isinstance(a, GlobalTensor) and reduced_at_use(a)
+
+
+def at_uses(func, args: tuple, kwargs: dict | None) -> tuple[tuple, dict | None]:
+    """``args`` and ``kwargs`` with each marked parameter passed through the boundary, while AOTAutograd traces
+    with grad on. (Keywords count: ``F.layer_norm`` hands its weight and bias to torch functions as keywords.)"""
     if func in _NOT_USES or is_dynamo_compiling() or not torch.is_grad_enabled() or not _aot_tracing():
-        return args
-    marked = [isinstance(a, GlobalTensor) and reduced_at_use(a) for a in args]
-    if not any(marked):
-        return args
-    return tuple(GRADIENT_BOUNDARY(a) if m else a for a, m in zip(args, marked))
+        return args, kwargs
+    if any(_marked(a) for a in args):
+        args = tuple(GRADIENT_BOUNDARY(a) if _marked(a) else a for a in args)
+    if kwargs and any(_marked(v) for v in kwargs.values()):
+        kwargs = {k: GRADIENT_BOUNDARY(v) if _marked(v) else v for k, v in kwargs.items()}
+    return args, kwargs

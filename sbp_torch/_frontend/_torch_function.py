@@ -27,7 +27,7 @@ def torch_function(cls, func, types, args=(), kwargs=None):
     if func in MATMUL_FUNCS and applies(func, args, kwargs or {}):
         return BatchedMatmul.apply(*args)
     if is_compiling():
-        args = at_uses(func, args)
+        args, kwargs = at_uses(func, args, kwargs)
         return below_autograd(func, types, args, kwargs)
     result = without_torch_function(call, types, (func, types, args, kwargs))
     if result is not NOT_HANDLED:
