@@ -4,6 +4,10 @@ its differentiable ways back to plain tensors (``to_local``, ``full_tensor``); t
 The type knows nothing of how ops on it run: its torch entry points call the handlers given to ``connect``,
 which ``sbp_torch/__init__.py`` calls once, the one place where this layer is wired to the layers above it."""
 
+import functools
+import hashlib
+import pathlib
+
 import torch
 
 try:  # private API, used by _never_a_compiled_frame
@@ -107,9 +111,12 @@ class GlobalTensor(torch.Tensor):
         # placement see equal metadata but compile different programs (each keeps its own region), so the
         # key holds this rank's coordinate. It also holds the flatten context as written (meta, parameter mark):
         # the mark changes the compiled backward, and a cached program stores contexts in that form.
+        # The key also holds a digest of sbp_torch's own source: the traced program is sbp_torch's decisions, so
+        # a program compiled by another version of it must not be taken from the cache.
         local = self._local
         context = (self._meta, reduced_at_use(self), self._meta.placement.local_coord())
-        return f"(meta, reduced at use, coord) {context}: {tuple(local.shape)} {tuple(local.stride())} {local.dtype}"
+        shape = f"{tuple(local.shape)} {tuple(local.stride())} {local.dtype}"
+        return f"sbp_torch {_source_digest()} (meta, reduced at use, coord) {context}: {shape}"
 
     def __coerce_tangent_metadata__(self):
         # torch.compile traces the backward with a guessed gradient for each output: guess the layout eager
@@ -129,6 +136,15 @@ class GlobalTensor(torch.Tensor):
         if expected.sbp == self._meta.sbp:
             return self
         return GlobalTensor(box_local(self._local, self._meta, expected.sbp), expected)
+
+
+@functools.cache
+def _source_digest() -> str:
+    """A digest of every Python source file of the sbp_torch package (read once, on first use)."""
+    digest = hashlib.sha256()
+    for path in sorted(pathlib.Path(__file__).parents[1].rglob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 # The attribute that marks a parameter whose gradient is reduced at each use while torch.compile traces.
