@@ -43,7 +43,7 @@ from ._dispatch import MixedTensorError, implicit_broadcast, set_strict, strict,
 from ._frontend import torch_function
 from ._layout import Placement as placement
 from ._layout import normalize_sbp
-from ._tensor import GlobalTensor, connect, full_tensor, gradient_sbp, to_local
+from ._tensor import GlobalTensor, connect, full_tensor, gradient_sbp, plain_tangent_as_global, to_local
 from .checkpoint import _hooks as _checkpoint_hooks
 from .checkpoint import full_state_dict
 
@@ -99,6 +99,8 @@ def boxing_plan(x: GlobalTensor, sbp) -> BoxingPlan:
 connect(torch_function=torch_function, torch_dispatch=torch_dispatch)
 _checkpoint_hooks.install(GlobalTensor)  # the methods torch.distributed.checkpoint looks for
 torch.Tensor.to_global = to_global
+# (a plain zero gradient for a compiled program's unused global output becomes a global one)
+torch.Tensor.__coerce_same_metadata_as_tangent__ = plain_tangent_as_global
 torch.nn.Module.to_global = module_to_global
 GlobalTensor.to_dtensor = to_dtensor
 torch.Tensor.is_global = property(lambda self: isinstance(self, GlobalTensor), doc="Whether this is a global tensor.")

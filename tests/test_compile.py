@@ -297,3 +297,33 @@ def _unfold(ranks):
 
 def test_the_gradient_of_an_overlapping_view_compiled():
     run_on_world(2, _unfold, [0, 1])
+
+
+def _factories_and_an_unused_output(ranks):
+    """Under global mode, torch's factories inside a compiled program build global tensors (each rank keeps its
+    region of the value, split included); an output the loss never reaches gets a plain zero gradient from
+    autograd, which the compiled backward takes as that output's global gradient."""
+    p = st.placement("cpu", ranks)
+    full = torch.randn(7, 5, generator=torch.Generator().manual_seed(3))  # 7 rows: uneven on 2 and 3 ranks
+
+    def program(x):
+        positions = torch.arange(x.shape[1], dtype=x.dtype)
+        rows = torch.ones(x.shape[0], 1)
+        return (x * positions + rows).pow(2).sum(), x.cos()
+
+    want = full.clone().requires_grad_()
+    program(want)[0].backward()
+    for mode_sbp, x_sbp in ((B, S(0)), (S(0), B), (S(1), S(1))):
+        x = layout(full, p, x_sbp).detach().requires_grad_()
+        with st.global_mode(p, mode_sbp):
+            loss, unused = compiled(program)(x)
+        assert unused.requires_grad  # its gradient is never asked for
+        loss.backward()
+        torch.testing.assert_close(loss.full_tensor(), program(full)[0])
+        torch.testing.assert_close(x.grad.full_tensor(), want.grad)
+    with st.global_mode(p), pytest.raises(Exception, match="randn under global mode inside a compiled program"):
+        compiled(lambda x: x * torch.randn(5))(x)
+
+
+def test_factories_and_unused_outputs_inside_a_compiled_program():
+    run_on_world(3, _factories_and_an_unused_output, [0, 1, 2])

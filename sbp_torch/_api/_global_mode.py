@@ -16,11 +16,13 @@ import os
 import sys
 
 import torch
+from torch.compiler import is_compiling
 from torch.overrides import TorchFunctionMode
 
 from .._layout import Placement, Split, broadcast
 from .._tensor import GlobalTensor
 from ._factories import _from_value, _random, _size
+from ._to_global import from_replica
 
 
 class GlobalMode(TorchFunctionMode):
@@ -41,7 +43,7 @@ class GlobalMode(TorchFunctionMode):
             or "out" in kwargs
             or (func in _LIKE and isinstance(args[0], GlobalTensor))  # a global tensor's own op
             or not self._builds_here(kwargs.get("device"))
-            or _called_by_sbp_torch()
+            or (not is_compiling() and _called_by_sbp_torch())
         ):
             return func(*args, **kwargs)
         return build(self, func, args, dict(kwargs))  # (a copy: building edits it)
@@ -62,11 +64,24 @@ def _value(mode: GlobalMode, func, args, kwargs):
     requires_grad = kwargs.pop("requires_grad", False)
     kwargs["device"] = mode.placement.device()
     value = func(*args, **kwargs)
-    return _from_value(value, mode.placement, mode.sbp_for(value.dim()), requires_grad)
+    if not is_compiling():
+        return _from_value(value, mode.placement, mode.sbp_for(value.dim()), requires_grad)
+    if requires_grad:
+        raise NotImplementedError(
+            f"{func.__name__}(requires_grad=True) under global mode inside a compiled program: a leaf is made "
+            "eagerly only; make it before the compiled call"
+        )
+    return from_replica(value, mode.placement, mode.sbp_for(value.dim()))  # what torch.compile can trace
 
 
 def _random_factory(kind: str):
     def build(mode: GlobalMode, func, args, kwargs):
+        if is_compiling():
+            # The generator's position advances in Python: a traced program would draw the same values each call.
+            raise NotImplementedError(
+                f"{func.__name__} under global mode inside a compiled program: sbp_torch's layout-independent "
+                "generator runs eagerly only; draw the values before the compiled call and pass them in"
+            )
         if func in _LIKE:
             size, dtype = tuple(args[0].shape), kwargs.get("dtype") or args[0].dtype
         else:

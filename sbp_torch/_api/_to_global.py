@@ -10,20 +10,26 @@ import torch.distributed as dist
 from .. import _comm as comm
 from .._boxing import box_local, cross_target
 from .._layout import Broadcast, GlobalMeta, Placement, SbpType, Split, broadcast, normalize_sbp
-from .._tensor import GlobalTensor, gradient, has_extreme, to_placement, to_sbp
+from .._tensor import GlobalTensor, full_tensor, gradient, has_extreme, to_placement, to_sbp
 
 
 class _FromLocal(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, local: torch.Tensor, meta: GlobalMeta, shapes: dict):
+    def forward(ctx, local: torch.Tensor, meta: GlobalMeta, shapes: dict | None):
         ctx.meta, ctx.shapes = meta, shapes
         ctx.input_shape, ctx.input_dtype = local.shape, local.dtype
+        if shapes is None:  # every rank holds the whole value: each keeps its region, nothing moves
+            whole = meta.with_sbp((broadcast,) * meta.placement.ndim)
+            part = local.detach() if meta == whole else box_local(local.detach(), whole, meta.sbp)
+            return GlobalTensor(part, meta)
         # The tie shares of P(max|min) axes come from this rank's own values, re-cut to the balanced region.
         ctx.saved_local = _assemble(local.detach(), meta, shapes, take_first=False) if has_extreme(meta) else None
         return GlobalTensor(_assemble(local.detach(), meta, shapes), meta)
 
     @staticmethod
     def backward(ctx, grad):
+        if ctx.shapes is None:
+            return full_tensor(grad), None, None
         part = _to_parts(gradient(grad, ctx.meta, ctx.saved_local), ctx.shapes)
         if ctx.meta.placement.local_coord() is None:  # outside the placement: x was not used
             part = torch.zeros(ctx.input_shape, dtype=ctx.input_dtype, device=part.device)
@@ -133,6 +139,14 @@ def _from_local(x: torch.Tensor, p: Placement, sbp, check_meta: bool) -> GlobalT
     shape = _logical_shape(p, sbp, shapes) if shapes else tuple(x.shape)
     comm.ensure_groups(p)
     return _FromLocal.apply(x, GlobalMeta(shape, x.dtype, p, sbp), shapes)
+
+
+def from_replica(value: torch.Tensor, placement: Placement, sbp) -> GlobalTensor:
+    """The global tensor whose logical value is ``value``, which every rank holds whole and equal (a factory's
+    result under global mode): each rank keeps its own region, with no communication and no check. Traceable
+    by torch.compile."""
+    sbp = normalize_sbp(sbp, placement, value.dim(), value.dtype)
+    return _FromLocal.apply(value, GlobalMeta(tuple(value.shape), value.dtype, placement, sbp), None)
 
 
 def to_global(x: torch.Tensor, placement: Placement | None = None, sbp=None, *, check_meta: bool | None = None):

@@ -60,9 +60,11 @@ class GlobalMeta:
     placement: Placement
     sbp: tuple[SbpType, ...]
 
-    def __post_init__(self):
-        # Metadata is hashed on every dispatch (decision cache keys): compute the hash once.
-        object.__setattr__(self, "_hash", hash((self.shape, self.dtype, self.placement, self.sbp)))
+    @functools.cached_property
+    def _hash(self) -> int:
+        # Metadata is hashed on every dispatch (decision cache keys): compute the hash once, when first asked
+        # (not on construction, which torch.compile traces where it cannot always hash a placement).
+        return hash((self.shape, self.dtype, self.placement, self.sbp))
 
     def __hash__(self) -> int:
         return self._hash

@@ -7,6 +7,7 @@ from ._global_tensor import (
     full_tensor,
     gradient,
     mark_reduced_at_use,
+    plain_tangent_as_global,
     reduced_at_use,
     to_local,
     wrap_fresh,

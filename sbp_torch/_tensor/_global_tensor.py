@@ -138,6 +138,23 @@ class GlobalTensor(torch.Tensor):
         return GlobalTensor(box_local(self._local, self._meta, expected.sbp), expected)
 
 
+def plain_tangent_as_global(tangent: torch.Tensor, expected_context: tuple, expected_type=None):
+    """A plain gradient that reaches a compiled backward where a global one was traced, as that global tensor.
+
+    Installed as ``torch.Tensor.__coerce_same_metadata_as_tangent__``. Autograd hands a compiled backward a plain
+    tensor of zeros (in the logical shape) for each of its outputs that the loss does not reach, such as the
+    key/value cache a ``transformers`` model returns beside its loss. Every rank ran the same program, so every
+    rank holds the same logical gradient: each keeps its own region of it. For any other expected type this
+    answers None, which leaves torch's own error in place."""
+    if expected_type is not GlobalTensor or type(tangent) is not torch.Tensor:
+        return None
+    meta = expected_context[0]
+    if tuple(tangent.shape) != meta.shape:
+        return None
+    whole = meta.with_sbp((broadcast,) * meta.placement.ndim)
+    return GlobalTensor(box_local(tangent.to(meta.dtype), whole, meta.sbp), meta)
+
+
 @functools.cache
 def _source_digest() -> str:
     """A digest of every Python source file of the sbp_torch package (read once, on first use)."""
