@@ -327,3 +327,25 @@ def _factories_and_an_unused_output(ranks):
 
 def test_factories_and_unused_outputs_inside_a_compiled_program():
     run_on_world(3, _factories_and_an_unused_output, [0, 1, 2])
+
+
+def _convolution_split_by_output_channel(ranks):
+    # The bias gradient of a channel-split convolution is this rank's channels: torch's traced shape function
+    # takes it from an argument (bias_sizes), not from the gradient as the kernel does.
+    p = st.placement("cpu", ranks)
+    gen = torch.Generator().manual_seed(4)
+    images, filters, bias = (
+        torch.randn(2, 3, 5, 5, generator=gen),
+        torch.randn(7, 3, 3, 3, generator=gen),
+        torch.randn(7, generator=gen),
+    )
+
+    def program(x, w, b):
+        return torch.nn.functional.conv2d(x, w, b, padding=1).tanh()
+
+    fast = compiled(program)
+    check_op(lambda *a: fast(*a) if a[0].is_global else program(*a), [images, filters, bias], p, [B, S(0), S(0)])
+
+
+def test_a_convolution_split_by_output_channel_compiled():
+    run_on_world(2, _convolution_split_by_output_channel, [0, 1])

@@ -67,18 +67,28 @@ def convolution(call: OpCall) -> list[Signature]:
     ]
 
 
-@register(aten.convolution_backward, check_nd=every_split_part_nonempty)
+LOCAL_BIAS = "local_bias"
+
+
+def _local_bias(func, ctx: LocalContext):
+    """The backward with ``bias_sizes`` this rank's output channels: torch's kernel sums the bias gradient from
+    the gradient's channels, but its shape function (what torch.compile traces) takes ``bias_sizes`` as given."""
+    sizes = ctx.arguments["bias_sizes"] and [ctx.arguments["grad_output"].shape[1]]
+    return ctx.call(func, bias_sizes=sizes)
+
+
+@register(aten.convolution_backward, check_nd=every_split_part_nonempty, local_fns={LOCAL_BIAS: _local_bias})
 def convolution_backward(call: OpCall) -> list[Signature]:
     out_dim, in_dim = _channel_dims(call.arg("transposed", False))
     mask = call.bound["output_mask"]
 
-    def signature(inputs, grads):
-        return Signature(inputs, tuple(g for g, wanted in zip(grads, mask) if wanted))
+    def signature(inputs, grads, local_fn=None):
+        return Signature(inputs, tuple(g for g, wanted in zip(grads, mask) if wanted), local_fn=local_fn)
 
     signatures = [signature((S(0), S(0), B), (S(0), P, P))]
     if call.arg("groups", 1) == 1:
         signatures += [
-            signature((S(1), B, S(out_dim)), (P, S(out_dim), S(0))),
+            signature((S(1), B, S(out_dim)), (P, S(out_dim), S(0)), LOCAL_BIAS),
             signature((B, S(1), S(in_dim)), (S(1), S(in_dim), B)),
         ]
     return signatures + [signature((P, B, B), (P, P, P)), signature((B, B, B), (B, B, B))]
