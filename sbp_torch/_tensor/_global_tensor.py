@@ -151,6 +151,8 @@ def plain_tangent_as_global(tangent: torch.Tensor, expected_context: tuple, expe
     meta = expected_context[0]
     if tuple(tangent.shape) != meta.shape:
         return None
+    if meta.placement.local_coord() is None:  # a rank outside the placement holds nothing
+        return GlobalTensor(tangent.new_empty(0, dtype=meta.dtype), meta)
     whole = meta.with_sbp((broadcast,) * meta.placement.ndim)
     return GlobalTensor(box_local(tangent.to(meta.dtype), whole, meta.sbp), meta)
 
