@@ -149,6 +149,10 @@ def _across_placements():
     got = compiled(lambda x: (x.to_global(pair, S(1)) * 2).sum(1))(layout(X, line, S(0)))
     if torch.distributed.get_rank() in pair:
         torch.testing.assert_close(got.full_tensor(), (X * 2).sum(1))
+    # with a gradient, rank 1 (outside the pair) would wait in the compiled backward: every rank refuses instead
+    x = layout(X, line, S(0)).detach().requires_grad_()
+    with pytest.raises(Exception, match="inside a compiled program, with a gradient"):
+        compiled(lambda x: (x.to_global(pair, S(1)) * 2).sum())(x)
 
 
 def test_boxing_across_placements_inside_a_compiled_program():

@@ -6,6 +6,7 @@ balanced parts that a global tensor holds, and the gradient comes back cut like 
 
 import torch
 import torch.distributed as dist
+from torch.compiler import is_compiling
 
 from .. import _comm as comm
 from .._boxing import box_local, cross_target
@@ -141,6 +142,9 @@ def _from_local(x: torch.Tensor, p: Placement, sbp, check_meta: bool) -> GlobalT
     return _FromLocal.apply(x, GlobalMeta(shape, x.dtype, p, sbp), shapes)
 
 
+_COMPILED_MOVE = "inside a compiled program, with a gradient: move it outside the compiled function, or detach it"
+
+
 def from_replica(value: torch.Tensor, placement: Placement, sbp) -> GlobalTensor:
     """The global tensor whose logical value is ``value``, which every rank holds whole and equal (a factory's
     result under global mode): each rank keeps its own region, with no communication and no check. Traceable
@@ -164,6 +168,9 @@ def to_global(x: torch.Tensor, placement: Placement | None = None, sbp=None, *, 
     if isinstance(x, GlobalTensor):
         if placement is not None and placement != x.placement:
             dst_meta = cross_target(x._meta, placement, sbp)  # checked before any data moves
+            if is_compiling() and x.requires_grad and set(x.placement.flat_ranks) != set(placement.flat_ranks):
+                # its traced backward hangs the ranks outside one placement (docs/compile.md, Limits)
+                raise NotImplementedError(f"to_global from {x.placement} to {placement} {_COMPILED_MOVE}")
             if check_meta:
                 comm.agree("to_global", (x._meta, dst_meta), (), True)
             comm.ensure_groups(placement)
