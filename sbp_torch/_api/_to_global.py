@@ -11,7 +11,7 @@ from torch.compiler import is_compiling
 from .. import _comm as comm
 from .._boxing import box_local, cross_target
 from .._layout import Broadcast, GlobalMeta, Placement, SbpType, Split, broadcast, normalize_sbp
-from .._tensor import GlobalTensor, full_tensor, gradient, has_extreme, to_placement, to_sbp
+from .._tensor import GlobalTensor, from_whole, full_tensor, gradient, has_extreme, to_placement, to_sbp
 
 
 class _FromLocal(torch.autograd.Function):
@@ -20,9 +20,7 @@ class _FromLocal(torch.autograd.Function):
         ctx.meta, ctx.shapes = meta, shapes
         ctx.input_shape, ctx.input_dtype = local.shape, local.dtype
         if shapes is None:  # every rank holds the whole value: each keeps its region, nothing moves
-            whole = meta.with_sbp((broadcast,) * meta.placement.ndim)
-            part = local.detach() if meta == whole else box_local(local.detach(), whole, meta.sbp)
-            return GlobalTensor(part, meta)
+            return from_whole(local.detach(), meta)
         # The tie shares of P(max|min) axes come from this rank's own values, re-cut to the balanced region.
         ctx.saved_local = _assemble(local.detach(), meta, shapes, take_first=False) if has_extreme(meta) else None
         return GlobalTensor(_assemble(local.detach(), meta, shapes), meta)

@@ -4,6 +4,7 @@ from ._conversions import to_placement, to_sbp
 from ._global_tensor import (
     GlobalTensor,
     connect,
+    from_whole,
     full_tensor,
     gradient,
     mark_reduced_at_use,

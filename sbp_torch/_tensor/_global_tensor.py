@@ -151,10 +151,16 @@ def plain_tangent_as_global(tangent: torch.Tensor, expected_context: tuple, expe
     meta = expected_context[0]
     if tuple(tangent.shape) != meta.shape:
         return None
-    if meta.placement.local_coord() is None:  # a rank outside the placement holds nothing
-        return GlobalTensor(tangent.new_empty(0, dtype=meta.dtype), meta)
+    return from_whole(tangent.to(meta.dtype), meta)
+
+
+def from_whole(value: torch.Tensor, meta: GlobalMeta) -> GlobalTensor:
+    """The global tensor of ``meta`` whose logical value is ``value``, which every rank holds whole and equal: each
+    rank keeps its own region, with no communication (a rank outside the placement keeps an empty part)."""
+    if meta.placement.local_coord() is None:
+        return GlobalTensor(value.new_empty(0), meta)
     whole = meta.with_sbp((broadcast,) * meta.placement.ndim)
-    return GlobalTensor(box_local(tangent.to(meta.dtype), whole, meta.sbp), meta)
+    return GlobalTensor(value if meta == whole else box_local(value, whole, meta.sbp), meta)
 
 
 @functools.cache
