@@ -1,7 +1,8 @@
-"""Pointwise output metadata by rule (``_shape_rules``) against the op itself run on whole CPU tensors: the
-same shape and dtype wherever the rule answers, and no answer where the op raises. (Not against meta
-tracing: its kernels can disagree with the CPU kernels, e.g. ``threshold_backward`` of float16 and float32
-gives float16 on meta and float32 on the CPU, and the parts run the real kernel.) No process group needed."""
+"""Output metadata by rule (``_dispatch/_outputs.py``: pointwise promotion, and the rules' ``outputs``) against the
+op itself run on whole CPU tensors: the same shape and dtype wherever the rule answers, and no answer where the op
+raises. (Not against meta tracing: its kernels can disagree with the CPU kernels, e.g. ``threshold_backward`` of
+float16 and float32 gives float16 on meta and float32 on the CPU, and the parts run the real kernel.) No process group
+needed."""
 
 from __future__ import annotations
 
@@ -171,7 +172,9 @@ TABLE_CASES = [
 )
 def test_table_rules_agree_with_the_op(case, shape, dtype):
     from sbp_torch._dispatch import BoundCall
+    from sbp_torch._dispatch._decide import shown_call
     from sbp_torch._dispatch._outputs import ruled_outputs
+    from sbp_torch._signatures import rule_for
 
     func, build = case
     if dtype is torch.int64:
@@ -189,7 +192,8 @@ def test_table_rules_agree_with_the_op(case, shape, dtype):
         real = [(tuple(o.shape), o.dtype) for o in (out if isinstance(out, tuple) else (out,))]
     except Exception:  # noqa: BLE001
         real = None
-    ruled = ruled_outputs(BoundCall(func, args, {}))
+    bound, rule = BoundCall(func, args, {}), rule_for(func)
+    ruled = ruled_outputs(bound, shown_call(bound, rule, mesh_shape=(1,)), rule)
     if real is None:
         assert ruled is None, f"{func}: the op raises but the rule answered {ruled}"
     elif ruled is not None:

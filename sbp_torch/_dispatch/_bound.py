@@ -29,8 +29,8 @@ def _key_of(value, is_scalar: bool):
 
 def call_key(func, schema: OpSchema, args, kwargs) -> tuple:
     """The call's cache key: the op by id (an entry keeps the op to check it), global tensors by metadata, plain
-    tensors by shape, dtype and device, Scalar-typed numbers by type (a changing learning rate keys alike), the
-    rest by value. It may be unhashable (a slice, say): lookups catch that."""
+    tensors by shape, dtype and device, Scalar-typed numbers that the op's rule does not read by type (a changing
+    learning rate keys alike), the rest by value. It may be unhashable (a slice, say): lookups catch that."""
     positions = schema.scalar_positions
     key = (id(func), *[_key_of(a, i in positions) for i, a in enumerate(args)])
     if kwargs:

@@ -6,9 +6,11 @@ depends on hashing order, object ids or timing, so every rank, running the same 
 import itertools
 from dataclasses import dataclass
 
+import torch
+
 from .._boxing import plan_boxing
 from .._layout import GlobalMeta, Partial, Split, broadcast, check_partial_dtype
-from .._signatures import OpCall, Rule, Signature, TensorInfo, rule_for
+from .._signatures import OpCall, Rule, Signature, TensorInfo, rule_for, shown_arguments
 from .._tensor import GlobalTensor
 from ._bound import BoundCall
 from ._outputs import UnknownOutputs, infer_outputs
@@ -40,19 +42,68 @@ class NoSignature(Exception):
     """No rule, no valid signature, or the op cannot run on meta tensors: use the broadcast fallback."""
 
 
-def _valid_1d(sig: Signature, inputs: list[GlobalTensor], outputs: list[TensorInfo]) -> bool:
-    if len(sig.inputs) != len(inputs) or len(sig.outputs) != len(outputs):
-        return False
+@dataclass(frozen=True)
+class _Resolved:
+    """A rule's 1-D signature resolved against one call: the SBP of each global input in flattened argument order, of
+    each tensor output, and the signature itself (what ``check_nd`` and local functions see)."""
+
+    inputs: tuple
+    outputs: tuple
+    signature: Signature
+
+
+def _describe(value):
+    return TensorInfo(tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else value
+
+
+def shown_call(bound: BoundCall, rule: Rule, mesh_shape: tuple[int, ...] | None = None) -> OpCall:
+    """The call as ``rule`` sees it (``_signatures/core.py``), with no outputs yet, on the placement's mesh (or
+    ``mesh_shape``)."""
+    names = {bound.schema.name_of(bound.slots[i][0]) for i in bound.inputs}
+    shown = shown_arguments(bound.func, bound.by_name, rule.reads, _describe)
+    return OpCall(bound.func, shown, (), mesh_shape or bound.placement.shape, frozenset(names))
+
+
+def _plain_tensor_slots(bound: BoundCall) -> list[tuple[str, int | None]]:
+    """(name, index in a list or None) of every plain tensor argument: it is broadcast, whatever a signature says."""
+    slots = []
+    for name, value in bound.by_name.items():
+        for index, v in enumerate(value) if isinstance(value, (list, tuple)) else [(None, value)]:
+            if isinstance(v, torch.Tensor) and not isinstance(v, GlobalTensor):
+                slots.append((name, index))
+    return slots
+
+
+def _resolve(signature: Signature, bound: BoundCall, inputs: list[GlobalTensor], outputs: list[TensorInfo]):
+    """The signature as a ``_Resolved`` for this call, or None where it does not fit: a plain tensor asked to be laid
+    out otherwise than broadcast, another number of outputs, a split of a dim the tensor lacks, a partial its dtype
+    cannot hold. A global input the signature does not name is a defect of the rule: an error."""
+    for name, index in _plain_tensor_slots(bound):
+        if signature.sbp_of(name, index) not in (None, broadcast):
+            return None
+    sbps = []
+    for i in bound.inputs:
+        where, index = bound.slots[i]
+        sbp = signature.sbp_of(bound.schema.name_of(where), index)
+        if sbp is None:
+            raise RuntimeError(
+                f"sbp_torch internal error: a signature of the rule of {bound.func} names no SBP for argument "
+                f"{bound.schema.name_of(where)!r}: {signature}"
+            )
+        sbps.append(sbp)
+    out_sbps = signature.output_sbps(len(outputs))
+    if len(out_sbps) != len(outputs):
+        return None
     tensors = [(g.dim(), g.dtype) for g in inputs] + [(o.ndim, o.dtype) for o in outputs]
-    for s, (ndim, dtype) in zip(sig.inputs + sig.outputs, tensors):
+    for s, (ndim, dtype) in zip(sbps + list(out_sbps), tensors):
         if isinstance(s, Split) and not 0 <= s.dim < ndim:
-            return False
+            return None
         if isinstance(s, Partial):
             try:
                 check_partial_dtype(s, dtype)
             except TypeError:
-                return False
-    return True
+                return None
+    return _Resolved(tuple(sbps), tuple(out_sbps), signature)
 
 
 def _partial_allowed(combo, inputs: list[GlobalTensor]) -> bool:
@@ -100,28 +151,24 @@ def decide(bound: BoundCall) -> Decision:
     inputs = [bound.tensors[i] for i in bound.inputs]
     outs = [bound.tensors[i] for i in bound.outs]
     placement = bound.placement
+    call = shown_call(bound, rule)
     try:
-        outputs = infer_outputs(bound)
+        outputs = infer_outputs(bound, call, rule)
     except UnknownOutputs as why:
         raise NoSignature(str(why)) from why
-    described = {
-        k: TensorInfo(tuple(v.shape), v.dtype) if isinstance(v, GlobalTensor) else v for k, v in bound.by_name.items()
-    }
-    for k, v in described.items():
-        if isinstance(v, (list, tuple)) and any(isinstance(x, GlobalTensor) for x in v):
-            described[k] = type(v)(TensorInfo(tuple(x.shape), x.dtype) if isinstance(x, GlobalTensor) else x for x in v)
-    infos = [TensorInfo(tuple(g.shape), g.dtype) for g in inputs]
-    call = OpCall(bound.func, infos, outputs, described, placement.shape)
-    one_d = [s for s in rule.signatures(call) if _valid_1d(s, inputs, outputs)]
+    call.outputs = tuple(outputs)
+    one_d = list(filter(None, (_resolve(s, bound, inputs, outputs) for s in rule.offered(call))))
     written = {id(bound.tensors[i]) for i in bound.written}
     written_inputs = [k for k, g in enumerate(inputs) if id(g) in written]
     aliased_outputs = _outputs_aliasing_inputs(bound, inputs)
 
     def candidate(combo):
         """(combo, targets, out_sbps) if the N-D signature ``combo`` is valid for this call, else None."""
-        if len({s.local_fn for s in combo if s.local_fn}) > 1 or not _partial_allowed(combo, inputs):
+        if len({s.signature.local_fn for s in combo if s.signature.local_fn}) > 1:
             return None
-        if rule.check_nd is not None and not rule.check_nd(call, combo):
+        if not _partial_allowed(combo, inputs):
+            return None
+        if rule.check_nd is not None and not rule.check_nd(call, tuple(s.signature for s in combo)):
             return None
         targets = [tuple(s.inputs[i] for s in combo) for i in range(len(inputs))]
         out_sbps = [tuple(s.outputs[j] for s in combo) for j in range(len(outputs))]
@@ -139,9 +186,7 @@ def decide(bound: BoundCall) -> Decision:
     # beat it (costs are never negative; ties go to fewer changes, then the rule's order): found among those
     # that keep the layouts on every axis (in the full product's order), it is taken without costing the
     # others (on a new shape, each cost is an N-D boxing search).
-    keeping = [
-        [s for s in one_d if tuple(s.inputs) == tuple(g.sbp[axis] for g in inputs)] for axis in range(placement.ndim)
-    ]
+    keeping = [[s for s in one_d if s.inputs == tuple(g.sbp[axis] for g in inputs)] for axis in range(placement.ndim)]
     kept = next(filter(None, map(candidate, itertools.product(*keeping))), None)
     if kept is not None and not _joins_partial(kept[0], inputs):
         candidates = [kept]
@@ -155,7 +200,8 @@ def decide(bound: BoundCall) -> Decision:
         changes = sum(t != g.sbp for g, t in zip(inputs, targets))
         if best is None or (cost, changes) < best[0]:
             metas = tuple(GlobalMeta(o.shape, o.dtype, placement, s) for o, s in zip(outputs, out_sbps))
-            best = ((cost, changes), Decision(tuple(targets), metas, combo, rule, cost))
+            signatures = tuple(s.signature for s in combo)
+            best = ((cost, changes), Decision(tuple(targets), metas, signatures, rule, cost))
     if best is None:
         raise NoSignature(f"no signature of {bound.func} fits these inputs")
     return best[1]

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .._signatures import rule_for
+
 aten = torch.ops.aten
 
 # Ops that write arguments their schema does not mark as written, as op -> (flag argument that must be
@@ -22,8 +24,9 @@ class OpSchema:
     func: object
     names: tuple[str, ...]  # argument names in schema order
     defaults: tuple  # (name, default) of every argument that has a default
-    scalar_positions: frozenset  # positions of arguments typed Scalar ("number"), keyed by type
-    scalar_names: frozenset  # the same by name
+    # Positions and names of the Scalar-typed ("number") arguments that the op's rule does not read: keyed by type.
+    scalar_positions: frozenset
+    scalar_names: frozenset
     list_positions: tuple[int, ...]  # positions of list-typed arguments (a foreach op's lists)
     written: frozenset  # names of arguments the op writes into (self of in-place ops, out=)
     outs: frozenset  # names of out= arguments (written, and not read)
@@ -40,7 +43,13 @@ class OpSchema:
         arguments = func._schema.arguments
         written = [a for a in arguments if a.alias_info is not None and a.alias_info.is_write]
         returns = func._schema.returns
-        scalar = [(i, a.name) for i, a in enumerate(arguments) if str(a.type) in ("number", "List[number]")]
+        rule = rule_for(func)
+        read = rule.reads if rule is not None else frozenset()
+        scalar = [
+            (i, a.name)
+            for i, a in enumerate(arguments)
+            if str(a.type) in ("number", "List[number]") and a.name not in read
+        ]
         return OpSchema(
             func=func,
             names=tuple(a.name for a in arguments),

@@ -17,6 +17,18 @@ from . import (  # noqa: F401  (registration by import)
     softmax_loss,
     views,
 )
-from .core import RULES, LocalContext, OpCall, Rule, Signature, TensorInfo, register, rule_for
+from .core import (
+    RULES,
+    LocalContext,
+    OpCall,
+    Rule,
+    Signature,
+    TensorInfo,
+    UndeclaredArgument,
+    register,
+    rule_for,
+    shown_arguments,
+    sig,
+)
 from .gradient_boundary import GRADIENT_BOUNDARY
 from .reductions import norm_statistic

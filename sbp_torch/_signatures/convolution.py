@@ -27,7 +27,7 @@ mishandles empty channel parts, and one rank failing would leave the others wait
 
 import torch
 
-from .core import B, LocalContext, OpCall, P, S, Signature, every_split_part_nonempty, register
+from .core import B, LocalContext, OpCall, P, S, Signature, every_split_part_nonempty, register, sig
 
 aten = torch.ops.aten
 
@@ -48,22 +48,24 @@ def _convolve_bias_once(func, ctx: LocalContext) -> torch.Tensor:
     return out
 
 
-@register(aten.convolution, check_nd=every_split_part_nonempty, local_fns={BIAS_ONCE: _convolve_bias_once})
+@register(
+    aten.convolution,
+    reads=("transposed", "groups"),
+    check_nd=every_split_part_nonempty,
+    local_fns={BIAS_ONCE: _convolve_bias_once},
+)
 def convolution(call: OpCall) -> list[Signature]:
-    has_bias = len(call.inputs) == 3
-    bias = lambda sbp: (sbp,) if has_bias else ()  # noqa: E731
-    bias_once = BIAS_ONCE if has_bias else None
-    out_dim, in_dim = _channel_dims(call.arg("transposed", False))
-    signatures = [Signature((S(0), B) + bias(B), (S(0),))]
-    if call.arg("groups", 1) == 1:
+    bias_once = BIAS_ONCE if call.get("bias") is not None else None
+    out_dim, in_dim = _channel_dims(call.get("transposed", False))
+    signatures = [sig(S(0), input=S(0), weight=B, bias=B)]
+    if call.get("groups", 1) == 1:
         signatures += [
-            Signature((B, S(out_dim)) + bias(S(0)), (S(1),)),
-            Signature((S(1), S(in_dim)) + bias(B), (P,), local_fn=bias_once),
+            sig(S(1), input=B, weight=S(out_dim), bias=S(0)),
+            sig(P, bias_once, input=S(1), weight=S(in_dim), bias=B),
         ]
     return signatures + [
-        Signature((P, B) + bias(B), (P,), local_fn=bias_once),
-        Signature((B, P) + bias(B), (P,), local_fn=bias_once),
-        Signature((B, B) + bias(B), (B,)),
+        sig(P, bias_once, input=P, weight=B, bias=B),
+        sig(P, bias_once, input=B, weight=P, bias=B),
     ]
 
 
@@ -77,18 +79,25 @@ def _local_bias(func, ctx: LocalContext):
     return ctx.call(func, bias_sizes=sizes)
 
 
-@register(aten.convolution_backward, check_nd=every_split_part_nonempty, local_fns={LOCAL_BIAS: _local_bias})
+@register(
+    aten.convolution_backward,
+    reads=("transposed", "groups", "output_mask"),
+    check_nd=every_split_part_nonempty,
+    local_fns={LOCAL_BIAS: _local_bias},
+)
 def convolution_backward(call: OpCall) -> list[Signature]:
-    out_dim, in_dim = _channel_dims(call.arg("transposed", False))
-    mask = call.bound["output_mask"]
+    out_dim, in_dim = _channel_dims(call.get("transposed", False))
+    mask = call["output_mask"]
 
     def signature(inputs, grads, local_fn=None):
-        return Signature(inputs, tuple(g for g, wanted in zip(grads, mask) if wanted), local_fn=local_fn)
+        grad_output, x, weight = inputs
+        wanted = tuple(g for g, w in zip(grads, mask) if w)
+        return sig(wanted, local_fn, grad_output=grad_output, input=x, weight=weight)
 
     signatures = [signature((S(0), S(0), B), (S(0), P, P))]
-    if call.arg("groups", 1) == 1:
+    if call.get("groups", 1) == 1:
         signatures += [
             signature((S(1), B, S(out_dim)), (P, S(out_dim), S(0)), LOCAL_BIAS),
             signature((B, S(1), S(in_dim)), (S(1), S(in_dim), B)),
         ]
-    return signatures + [signature((P, B, B), (P, P, P)), signature((B, B, B), (B, B, B))]
+    return signatures + [signature((P, B, B), (P, P, P))]

@@ -22,7 +22,7 @@ of a large table, and a broadcast table gets its gradient gathered when it is ac
 
 import torch
 
-from .core import B, LocalContext, OpCall, P, S, Signature, register
+from .core import B, LocalContext, OpCall, P, S, Signature, register, sig
 
 aten = torch.ops.aten
 
@@ -58,27 +58,25 @@ def _accumulate_rows_in_range(func, ctx: LocalContext) -> torch.Tensor:
 
 @register(aten.embedding, local_fns={VOCAB: _lookup_rows_in_range})
 def embedding(call: OpCall) -> list[Signature]:
-    weight, indices = call.inputs[0], call.inputs[1]
-    out_last = indices.ndim
-    signatures = [Signature((B, S(d)), (S(d),)) for d in range(indices.ndim)]
-    signatures += [
-        Signature((S(1), B), (S(out_last),)),
-        Signature((S(0), B), (P,), local_fn=VOCAB),
-        Signature((P, B), (P,)),
-        Signature((B, B), (B,)),
-    ]
-    return signatures if weight.ndim == 2 else signatures[-1:]
-
-
-@register(aten.embedding_dense_backward, local_fns={VOCAB: _accumulate_rows_in_range})
-def embedding_dense_backward(call: OpCall) -> list[Signature]:
-    grad, indices = call.inputs
-    signatures = []
-    if not call.arg("scale_grad_by_freq", False):
-        signatures += [Signature((S(d), S(d)), (P,)) for d in range(indices.ndim)]
+    weight, indices = call["weight"], call["indices"]
+    if weight.ndim != 2:
+        return []
+    signatures = [sig(S(d), weight=B, indices=S(d)) for d in range(indices.ndim)]
     return signatures + [
-        Signature((S(grad.ndim - 1), B), (S(1),)),
-        Signature((B, B), (S(0),), local_fn=VOCAB),
-        Signature((P, B), (P,)),
-        Signature((B, B), (B,)),
+        sig(S(indices.ndim), weight=S(1), indices=B),
+        sig(P, VOCAB, weight=S(0), indices=B),
+        sig(P, weight=P, indices=B),
+    ]
+
+
+@register(aten.embedding_dense_backward, reads=("scale_grad_by_freq",), local_fns={VOCAB: _accumulate_rows_in_range})
+def embedding_dense_backward(call: OpCall) -> list[Signature]:
+    grad, indices = call["grad_output"], call["indices"]
+    signatures = []
+    if not call.get("scale_grad_by_freq", False):
+        signatures += [sig(P, grad_output=S(d), indices=S(d)) for d in range(indices.ndim)]
+    return signatures + [
+        sig(S(1), grad_output=S(grad.ndim - 1), indices=B),
+        sig(S(0), VOCAB, grad_output=B, indices=B),
+        sig(P, grad_output=P, indices=B),
     ]

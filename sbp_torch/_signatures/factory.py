@@ -16,7 +16,7 @@ global tensor's dispatch: ``sbp_torch.zeros`` and friends create global tensors.
 
 import torch
 
-from .core import PARTIALS, B, LocalContext, OpCall, S, Signature, contiguous_strides, like_input, register
+from .core import PARTIALS, B, LocalContext, OpCall, S, Signature, contiguous_strides, like_input, register, sig
 
 aten = torch.ops.aten
 
@@ -44,7 +44,7 @@ def _local_size(func, ctx: LocalContext):
 
 @register(*NEW, local_fns={"local_size": _local_size})
 def new(call: OpCall) -> list[Signature]:
-    x, out = call.inputs[0], call.outputs[0]
+    x, out = call["self"], call.outputs[0]
     if out.shape == x.shape:
         return like_input(call, "local_size")
-    return [Signature((S(d),), (B,)) for d in range(x.ndim)] + [Signature((s,), (B,)) for s in (B, *PARTIALS)]
+    return [sig(B, self=S(d)) for d in range(x.ndim)] + [sig(B, self=s) for s in (B, *PARTIALS)]

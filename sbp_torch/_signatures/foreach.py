@@ -8,7 +8,7 @@ tensors, with the same partial kinds: sums of partial sums, scaling of a partial
 
 import torch
 
-from .core import B, OpCall, P, Partial, S, Signature, operand_sbp, register_family
+from .core import B, OpCall, P, Partial, S, Signature, TensorInfo, operand_sbp, register_family
 
 aten = torch.ops.aten
 
@@ -41,16 +41,19 @@ def _elementwise_foreach(func) -> bool:
 
 @register_family(_elementwise_foreach)
 def foreach(call: OpCall) -> list[Signature]:
-    shape, n_in, n_out = call.inputs[0].shape, len(call.inputs), len(call.outputs)
+    """One index of a foreach call: its lists hold one tensor each."""
+    lists = {n: v[0] for n, v in call.arguments.items() if isinstance(v, (list, tuple)) and v}
+    singles = dict(call.tensors())
+    tensors = {n: t for n, t in {**lists, **singles}.items() if isinstance(t, TensorInfo)}
+    first, shape = next(iter(tensors)), next(iter(tensors.values())).shape
     signatures = [
-        Signature(tuple(operand_sbp(shape, x, d) for x in call.inputs), (S(d),) * n_out) for d in range(len(shape))
+        Signature(tuple((n, operand_sbp(shape, t, d)) for n, t in tensors.items()), S(d)) for d in range(len(shape))
     ]
-    signatures.append(Signature((B,) * n_in, (B,) * n_out))
     kind = PARTIAL_KINDS.get(call.func)
     if kind == "sum":
-        signatures.append(Signature((P,) * n_in, (P,) * n_out))
+        signatures.append(Signature(tuple((n, P) for n in tensors), P))
     elif kind == "scale":  # a partial sum times (or over) numbers or a broadcast tensor
-        signatures.append(Signature((P,) + (B,) * (n_in - 1), (P,) * n_out))
+        signatures.append(Signature(tuple((n, P if n == first else B) for n in tensors), P))
     elif kind == "copy":
-        signatures += [Signature((Partial(op),), (Partial(op),) * n_out) for op in ("sum", "max", "min")]
+        signatures += [Signature(((first, Partial(op)),), Partial(op)) for op in ("sum", "max", "min")]
     return signatures

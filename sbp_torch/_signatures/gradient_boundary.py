@@ -4,7 +4,7 @@ backward is registered there). Each layout maps to itself, and the local part is
 
 import torch
 
-from .core import LocalContext, OpCall, S, Signature, pass_through, register
+from .core import LocalContext, OpCall, S, Signature, pass_through, register, sig
 
 torch.library.define("sbp_torch::gradient_boundary", "(Tensor x) -> Tensor")
 GRADIENT_BOUNDARY = torch.ops.sbp_torch.gradient_boundary.default
@@ -21,5 +21,5 @@ def _alias(func, ctx: LocalContext):
 
 @register(GRADIENT_BOUNDARY, local_fns={"alias": _alias})
 def gradient_boundary(call: OpCall) -> list[Signature]:
-    splits = [Signature((S(d),), (S(d),), "alias") for d in range(call.inputs[0].ndim)]
-    return splits + pass_through(1, 1, "alias")
+    splits = [sig(S(d), "alias", x=S(d)) for d in range(call["x"].ndim)]
+    return splits + pass_through(["x"], "alias")

@@ -18,43 +18,27 @@ boxing of the inputs does instead. Ops whose output shape depends on the data (`
 
 import torch
 
-from .core import P_MAX, P_MIN, PARTIALS, B, OpCall, P, S, Signature, Split, TensorInfo, operand_sbp, register
+from .core import P_MAX, P_MIN, PARTIALS, B, OpCall, P, S, Signature, Split, TensorInfo, operand_sbp, register, sig
 
 aten = torch.ops.aten
 
 
-def _layouts(call: OpCall, names: tuple[str, ...], layouts: dict) -> tuple:
-    """The input SBPs of a signature, for the named arguments that are global tensors (schema order)."""
-    return tuple(layouts[n] for n in names if isinstance(call.bound.get(n), TensorInfo))
-
-
-def _dim(call: OpCall) -> int:
-    n = call.bound["self"].ndim
-    return call.arg("dim") % n if n else 0
-
-
-@register(aten.index_select.default)
+@register(aten.index_select.default, reads=("dim",))
 def index_select(call: OpCall) -> list[Signature]:
-    names, dim = ("self", "index"), _dim(call)
-    x, index = call.bound["self"], call.bound["index"]
-    signatures = [
-        Signature(_layouts(call, names, {"self": S(d), "index": B}), (S(d),)) for d in range(x.ndim) if d != dim
-    ]
-    if isinstance(index, TensorInfo) and index.ndim == 1:
-        signatures.append(Signature((B, S(0)), (S(dim),)))
-    signatures += [Signature(_layouts(call, names, {"self": s, "index": B}), (s,)) for s in (B, *PARTIALS)]
-    return signatures
+    x, index, dim = call["self"], call["index"], call.dim()
+    signatures = [sig(S(d), self=S(d), index=B) for d in range(x.ndim) if d != dim]
+    if index.ndim == 1:
+        signatures.append(sig(S(dim), self=B, index=S(0)))
+    return signatures + [sig(s, self=s, index=B) for s in PARTIALS]
 
 
-@register(aten.gather.default)
+@register(aten.gather.default, reads=("dim",))
 def gather(call: OpCall) -> list[Signature]:
-    names, dim = ("self", "index"), _dim(call)
-    x, index = call.bound["self"], call.bound["index"]
-    signatures = [Signature((S(d), S(d)), (S(d),)) for d in range(x.ndim) if d != dim and x.shape[d] == index.shape[d]]
+    x, index, dim = call["self"], call["index"], call.dim()
+    signatures = [sig(S(d), self=S(d), index=S(d)) for d in range(x.ndim) if d != dim and x.shape[d] == index.shape[d]]
     if index.ndim:
-        signatures.append(Signature((B, S(dim)), (S(dim),)))
-    signatures += [Signature(_layouts(call, names, {"self": s, "index": B}), (s,)) for s in (B, *PARTIALS)]
-    return signatures
+        signatures.append(sig(S(dim), self=B, index=S(dim)))
+    return signatures + [sig(s, self=s, index=B) for s in PARTIALS]
 
 
 # Ops that write ``src`` (or a number) into ``self`` at ``index`` positions along ``dim``, pairing index and
@@ -69,30 +53,23 @@ SCATTERS = {
 }
 
 
-@register(*SCATTERS)
+@register(*SCATTERS, reads=("dim",))
 def scatter(call: OpCall) -> list[Signature]:
-    names, dim = ("self", "index", "src"), _dim(call)
-    tensors = [call.bound[n] for n in names if isinstance(call.bound.get(n), TensorInfo)]
-    n_in = len(tensors)
+    dim = call.dim()
+    tensors = {n: call.get(n) for n in ("self", "index", "src") if isinstance(call.get(n), TensorInfo)}
     signatures = [
-        Signature((S(d),) * n_in, (S(d),))
-        for d in range(call.bound["self"].ndim)
-        if d != dim and len({t.shape[d] for t in tensors}) == 1
+        Signature(tuple((n, S(d)) for n in tensors), S(d))
+        for d in range(call["self"].ndim)
+        if d != dim and len({t.shape[d] for t in tensors.values()}) == 1
     ]
-    for s in (*SCATTERS[call.func], B):
-        signatures.append(Signature(_layouts(call, names, {"self": s, "index": B, "src": s}), (s,)))
-    return signatures
+    return signatures + [sig(s, self=s, index=B, src=s) for s in SCATTERS[call.func]]
 
 
-@register(aten.index_add.default, aten.index_add_.default)
+@register(aten.index_add.default, aten.index_add_.default, reads=("dim",))
 def index_add(call: OpCall) -> list[Signature]:
-    names, dim = ("self", "index", "source"), _dim(call)
-    signatures = [
-        Signature(_layouts(call, names, {"self": S(d), "index": B, "source": S(d)}), (S(d),))
-        for d in range(call.bound["self"].ndim)
-        if d != dim
-    ]
-    return signatures + [Signature(_layouts(call, names, {"self": s, "index": B, "source": s}), (s,)) for s in (P, B)]
+    dim = call.dim()
+    signatures = [sig(S(d), self=S(d), index=B, source=S(d)) for d in range(call["self"].ndim) if d != dim]
+    return signatures + [sig(P, self=P, index=B, source=P)]
 
 
 def index_result_dims(ndim: int, indices: list) -> tuple[dict[int, int], int, tuple[int, ...]]:
@@ -116,35 +93,32 @@ def _masks(indices: list) -> bool:
 
 @register(aten.index.Tensor)
 def index(call: OpCall) -> list[Signature]:
-    x, indices = call.bound["self"], list(call.bound["indices"])
-    global_indices = [t for t in indices if isinstance(t, TensorInfo)]
-    n_idx = len(global_indices)
-    passing = [Signature((s,) + (B,) * n_idx, (s,)) for s in (B, *PARTIALS)]
+    x, indices = call["self"], list(call["indices"])
+    passing = [sig(s, self=s, indices=B) for s in PARTIALS]
     if _masks(indices):
         return passing
     kept, start, index_shape = index_result_dims(x.ndim, indices)
-    signatures = [Signature((S(d),) + (B,) * n_idx, (S(e),)) for d, e in kept.items()]
+    signatures = [sig(S(e), self=S(d), indices=B) for d, e in kept.items()]
     for j in range(len(index_shape)):
-        layouts = tuple(operand_sbp(index_shape, t, j) for t in global_indices)
+        layouts = tuple(None if t is None else operand_sbp(index_shape, t, j) for t in indices)
         if any(isinstance(s, Split) for s in layouts):
-            signatures.append(Signature((B,) + layouts, (S(start + j),)))
+            signatures.append(sig(S(start + j), self=B, indices=layouts))
     return signatures + passing
 
 
-@register(aten.index_put.default, aten.index_put_.default, aten.index_put.hacked_twin, aten.index_put_.hacked_twin)
+@register(
+    aten.index_put.default,
+    aten.index_put_.default,
+    aten.index_put.hacked_twin,
+    aten.index_put_.hacked_twin,
+    reads=("accumulate",),
+)
 def index_put(call: OpCall) -> list[Signature]:
-    x, indices, values = call.bound["self"], list(call.bound["indices"]), call.bound["values"]
-    global_values = isinstance(values, TensorInfo)
-    n_idx = len([t for t in indices if isinstance(t, TensorInfo)])
-
-    def signature(x_sbp, values_sbp, out):
-        return Signature((x_sbp,) + (B,) * n_idx + ((values_sbp,) if global_values else ()), (out,))
-
-    if global_values:
-        partials = (P,) if call.arg("accumulate", False) else PARTIALS
-    else:  # a plain number is written on every rank
-        partials = () if call.arg("accumulate", False) else (P_MAX, P_MIN)
-    passing = [signature(s, s, s) for s in partials] + [signature(B, B, B)]
+    x, indices, values = call["self"], list(call["indices"]), call["values"]
+    accumulate = call.get("accumulate", False)
+    passing = [sig(s, self=s, indices=B, values=s) for s in ((P,) if accumulate else PARTIALS)]
+    if not accumulate:  # the same values written on every rank: their max and min are themselves
+        passing += [sig(s, self=s, indices=B, values=B) for s in (P_MAX, P_MIN)]
     if _masks(indices):
         return passing
     kept, start, index_shape = index_result_dims(x.ndim, indices)
@@ -153,7 +127,6 @@ def index_put(call: OpCall) -> list[Signature]:
         result_shape[e] = x.shape[d]
     result_shape[start : start + len(index_shape)] = index_shape
     splits = [
-        signature(S(d), operand_sbp(tuple(result_shape), values, e) if global_values else B, S(d))
-        for d, e in kept.items()
+        sig(S(d), self=S(d), indices=B, values=operand_sbp(tuple(result_shape), values, e)) for d, e in kept.items()
     ]
     return splits + passing

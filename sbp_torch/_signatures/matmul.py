@@ -14,25 +14,44 @@ For ``mm(a[m, k], b[k, n])`` the valid 1-D signatures are:
 
 import torch
 
-from .core import B, OpCall, P, S, Signature, operand_sbp, register
+from .core import B, OpCall, P, S, Signature, TensorInfo, floats_only, operand_sbp, register, sig
 
 aten = torch.ops.aten
 
 
-def _product_signatures(batch_dims: int) -> list[Signature]:
-    """Signatures of (a[..., m, k], b[..., k, n]) → out[..., m, n] with ``batch_dims`` leading batch dims."""
+def _product_signatures(batch_dims: int, a: str = "self", b: str = "mat2") -> list[Signature]:
+    """Signatures of (a[..., m, k], b[..., k, n]) -> out[..., m, n] with ``batch_dims`` leading batch dims."""
     m, k = batch_dims, batch_dims + 1
-    return [Signature((S(d), S(d)), (S(d),)) for d in range(batch_dims)] + [
-        Signature((S(m), B), (S(m),)),
-        Signature((B, S(k)), (S(k),)),
-        Signature((S(k), S(m)), (P,)),
-        Signature((P, B), (P,)),
-        Signature((B, P), (P,)),
-        Signature((B, B), (B,)),
+    return [sig(S(d), **{a: S(d), b: S(d)}) for d in range(batch_dims)] + [
+        sig(S(m), **{a: S(m), b: B}),
+        sig(S(k), **{a: B, b: S(k)}),
+        sig(P, **{a: S(k), b: S(m)}),
+        sig(P, **{a: P, b: B}),
+        sig(P, **{a: B, b: P}),
     ]
 
 
-@register(aten.mm)
+def _mm_outputs(call: OpCall) -> list[TensorInfo] | None:
+    x, y = call["self"], call["mat2"]
+    if x.ndim != 2 or y.ndim != 2 or x.shape[1] != y.shape[0] or x.dtype != y.dtype:
+        return None
+    return [TensorInfo((x.shape[0], y.shape[1]), x.dtype)]
+
+
+def _addmm_outputs(call: OpCall) -> list[TensorInfo] | None:
+    x, y, bias = call["mat1"], call["mat2"], call["self"]
+    if x.ndim != 2 or y.ndim != 2 or x.shape[1] != y.shape[0] or not x.dtype == y.dtype == bias.dtype:
+        return None
+    out = (x.shape[0], y.shape[1])
+    try:
+        if tuple(torch.broadcast_shapes(bias.shape, out)) != out:
+            return None
+    except RuntimeError:
+        return None
+    return [TensorInfo(out, x.dtype)]
+
+
+@register(aten.mm, outputs=floats_only(_mm_outputs))
 def mm(call: OpCall) -> list[Signature]:
     return _product_signatures(0)
 
@@ -45,29 +64,29 @@ def bmm(call: OpCall) -> list[Signature]:
 @register(aten.matmul)
 def batched_matmul(call: OpCall) -> list[Signature]:
     """Same-batch-shape ``matmul`` of >= 3-D tensors, sent here whole by ``_frontend/_batched_matmul.py``."""
-    a, b = call.inputs
+    a, b = call["self"], call["other"]
     if a.ndim != b.ndim or a.ndim < 3 or a.shape[:-2] != b.shape[:-2]:
         return []
-    return _product_signatures(a.ndim - 2)
+    return _product_signatures(a.ndim - 2, "self", "other")
 
 
-def _with_bias(call: OpCall, batch_dims: int) -> list[Signature]:
+def _with_bias(call: OpCall, batch_dims: int, a: str, b: str) -> list[Signature]:
     """addmm(bias, a, b) = bias + a @ b: the bias takes the layout the product has, after broadcasting
     (a partial product gets a partial bias, made locally: the bias on one rank, zeros elsewhere)."""
-    bias, out = call.inputs[0], call.outputs[0]
+    bias, out = call["self"], call.outputs[0]
     signatures = []
-    for product in _product_signatures(batch_dims):
-        (layout,) = product.outputs
+    for product in _product_signatures(batch_dims, a, b):
+        layout = product.outputs
         bias_sbp = operand_sbp(out.shape, bias, layout.dim) if isinstance(layout, S) else layout
-        signatures.append(Signature((bias_sbp,) + product.inputs, product.outputs))
+        signatures.append(Signature((("self", bias_sbp),) + product.inputs, layout))
     return signatures
 
 
-@register(aten.addmm)
+@register(aten.addmm, outputs=floats_only(_addmm_outputs))
 def addmm(call: OpCall) -> list[Signature]:
-    return _with_bias(call, 0) if len(call.inputs) == 3 else []
+    return _with_bias(call, 0, "mat1", "mat2")
 
 
 @register(aten.baddbmm)
 def baddbmm(call: OpCall) -> list[Signature]:
-    return _with_bias(call, 1) if len(call.inputs) == 3 else []
+    return _with_bias(call, 1, "batch1", "batch2")

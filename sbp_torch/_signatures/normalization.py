@@ -33,41 +33,54 @@ import math
 
 import torch
 
-from .core import B, LocalContext, OpCall, P, S, Signature, TensorInfo, every_split_part_nonempty, register
+from .core import (
+    B,
+    LocalContext,
+    OpCall,
+    P,
+    S,
+    Signature,
+    TensorInfo,
+    every_split_part_nonempty,
+    floats_only,
+    register,
+    sig,
+)
 
 aten = torch.ops.aten
 
 LOCAL_BATCH, SYNC_STATS, EVALUATION = "local_batch", "sync_stats", "evaluation"
 
 
-def _present(call: OpCall, names: tuple[str, ...]) -> list[str]:
-    """Which of the schema arguments ``names`` are global tensors in this call, in order."""
-    return [n for n in names if isinstance(call.bound.get(n), TensorInfo)]
-
-
 def _masked(call: OpCall, grads: tuple) -> tuple:
-    return tuple(g for g, wanted in zip(grads, call.bound["output_mask"]) if wanted)
+    return tuple(g for g, wanted in zip(grads, call["output_mask"]) if wanted)
 
 
 # layer norm
 
 
-@register(aten.native_layer_norm)
+def _layer_norm_outputs(call: OpCall) -> list[TensorInfo] | None:
+    x, normalized = call["input"], tuple(call["normalized_shape"])
+    axis = x.ndim - len(normalized)
+    if axis < 0 or x.shape[axis:] != normalized:
+        return None
+    stats = x.shape[:axis] + (1,) * len(normalized)
+    return [TensorInfo(x.shape, x.dtype), TensorInfo(stats, x.dtype), TensorInfo(stats, x.dtype)]
+
+
+@register(aten.native_layer_norm, reads=("normalized_shape",), outputs=floats_only(_layer_norm_outputs))
 def layer_norm(call: OpCall) -> list[Signature]:
-    x = call.inputs[0]
-    affine = (B,) * (len(call.inputs) - 1)
-    leading = x.ndim - len(call.bound["normalized_shape"])
-    signatures = [Signature((S(d),) + affine, (S(d),) * 3) for d in range(leading)]
-    return signatures + [Signature((B,) + affine, (B,) * 3)]
+    leading = call["input"].ndim - len(call["normalized_shape"])
+    return [sig(S(d), input=S(d), weight=B, bias=B) for d in range(leading)]
 
 
-@register(aten.native_layer_norm_backward)
+@register(aten.native_layer_norm_backward, reads=("normalized_shape", "output_mask"))
 def layer_norm_backward(call: OpCall) -> list[Signature]:
-    x = call.inputs[1]
-    affine = (B,) * (len(call.inputs) - 4)
-    leading = x.ndim - len(call.bound["normalized_shape"])
-    signatures = [Signature((S(d),) * 4 + affine, _masked(call, (S(d), P, P))) for d in range(leading)]
-    return signatures + [Signature((B,) * 4 + affine, _masked(call, (B, B, B)))]
+    leading = call["input"].ndim - len(call["normalized_shape"])
+    return [
+        sig(_masked(call, (S(d), P, P)), grad_out=S(d), input=S(d), mean=S(d), rstd=S(d), weight=B, bias=B)
+        for d in range(leading)
+    ]
 
 
 # group norm
@@ -80,20 +93,13 @@ def _with_local_batch(func, ctx: LocalContext):
 
 @register(aten.native_group_norm, local_fns={LOCAL_BATCH: _with_local_batch})
 def group_norm(call: OpCall) -> list[Signature]:
-    affine = (B,) * (len(call.inputs) - 1)
-    return [
-        Signature((S(0),) + affine, (S(0),) * 3, local_fn=LOCAL_BATCH),
-        Signature((B,) + affine, (B,) * 3),
-    ]
+    return [sig(S(0), LOCAL_BATCH, input=S(0), weight=B, bias=B)]
 
 
-@register(aten.native_group_norm_backward, local_fns={LOCAL_BATCH: _with_local_batch})
+@register(aten.native_group_norm_backward, reads=("output_mask",), local_fns={LOCAL_BATCH: _with_local_batch})
 def group_norm_backward(call: OpCall) -> list[Signature]:
-    affine = (B,) * (len(call.inputs) - 4)
-    return [
-        Signature((S(0),) * 4 + affine, _masked(call, (S(0), P, P)), local_fn=LOCAL_BATCH),
-        Signature((B,) * 4 + affine, _masked(call, (B, B, B))),
-    ]
+    grads = _masked(call, (S(0), P, P))
+    return [sig(grads, LOCAL_BATCH, grad_out=S(0), input=S(0), mean=S(0), rstd=S(0), weight=B)]
 
 
 # batch norm
@@ -169,42 +175,48 @@ def _sync_batch_norm_backward(func, ctx: LocalContext):
     return tuple(g for g, wanted in zip((grad_input, grad_weight, grad_bias), mask) if wanted)
 
 
+def _present(call: OpCall, names: tuple[str, ...]) -> list[str]:
+    """Which of the arguments ``names`` hold tensors in this call, in order."""
+    return [n for n in names if isinstance(call.get(n), TensorInfo)]
+
+
 @register(
     aten.native_batch_norm,
+    reads=("training",),
     check_nd=every_split_part_nonempty,
     local_fns={SYNC_STATS: _sync_batch_norm, EVALUATION: _evaluation_batch_norm},
 )
 def batch_norm(call: OpCall) -> list[Signature]:
-    x = call.inputs[0]
+    x = call["input"]
     per_channel = _present(call, PER_CHANNEL)
-    training = call.bound["training"]
+    training = call["training"]
     stats_written = training and ("running_mean" in per_channel or "running_var" in per_channel)
     kernel = SYNC_STATS if training else EVALUATION
     signatures = []
     if not stats_written:
-        channel_kernel = None if training else EVALUATION
         statistics = tuple(_channel_split(o) for o in call.outputs[1:])
-        signatures.append(
-            Signature((S(1),) + (S(0),) * len(per_channel), (S(1),) + statistics, local_fn=channel_kernel)
-        )
+        channels = {n: S(0) for n in per_channel}
+        signatures.append(sig((S(1),) + statistics, None if training else EVALUATION, input=S(1), **channels))
     for d in _covered_dims(x.ndim):
-        signatures.append(Signature((S(d),) + (B,) * len(per_channel), (S(d), B, B), local_fn=kernel))
-    return signatures + [Signature((B,) * (1 + len(per_channel)), (B, B, B), local_fn=None if training else EVALUATION)]
+        signatures.append(sig((S(d), B, B), kernel, input=S(d), **{n: B for n in per_channel}))
+    evaluation = None if training else EVALUATION
+    return signatures + [sig(B, evaluation, input=B, **{n: B for n in per_channel})]
 
 
 @register(
     aten.native_batch_norm_backward,
+    reads=("train", "output_mask"),
     check_nd=every_split_part_nonempty,
     local_fns={SYNC_STATS: _sync_batch_norm_backward},
 )
 def batch_norm_backward(call: OpCall) -> list[Signature]:
-    x = call.inputs[1]
-    n = len(_present(call, PER_CHANNEL))
-    training = call.bound["train"]
-    channels = tuple(_channel_split(call.bound[name]) for name in _present(call, PER_CHANNEL))
-    signatures = [Signature((S(1), S(1)) + channels, _masked(call, (S(1), S(0), S(0))))]
+    x = call["input"]
+    per_channel = _present(call, PER_CHANNEL)
+    training = call["train"]
+    channels = {n: _channel_split(call[n]) for n in per_channel}
+    signatures = [sig(_masked(call, (S(1), S(0), S(0))), grad_out=S(1), input=S(1), **channels)]
     for d in _covered_dims(x.ndim):
         grads = (S(d), B, B) if training else (S(d), P, P)
         kernel = SYNC_STATS if training else None
-        signatures.append(Signature((S(d), S(d)) + (B,) * n, _masked(call, grads), local_fn=kernel))
-    return signatures + [Signature((B,) * (2 + n), _masked(call, (B, B, B)))]
+        signatures.append(sig(_masked(call, grads), kernel, grad_out=S(d), input=S(d), **{n: B for n in per_channel}))
+    return signatures

@@ -54,44 +54,44 @@ def is_pointwise(func) -> bool:
     return torch.Tag.pointwise in func.tags or func in EXTRA_POINTWISE
 
 
-def _tensor_slots_hold_globals(call: OpCall) -> bool:
-    """Every Tensor-typed argument is a global tensor (not a number or plain scalar tensor)."""
-    for a in call.func._schema.arguments:
-        if str(a.type) in ("Tensor", "Optional[Tensor]") and a.name in call.bound:
-            value = call.bound[a.name]
-            if value is not None and not isinstance(value, TensorInfo):
-                return False
-    return True
-
-
-def _partial_signatures(call: OpCall) -> list[Signature]:
+def _partial_signatures(call: OpCall, tensors: dict) -> list[Signature]:
+    """``tensors``: every Tensor-typed argument by name (a global or plain tensor's TensorInfo, or a number)."""
     kind = PARTIAL_KINDS.get(call.func)
-    n_in, n_out = len(call.inputs), len(call.outputs)
-    same_shape = all(x.shape == call.outputs[0].shape for x in call.inputs)
-    if kind is None or not same_shape:
+    out = call.outputs[0]
+    infos = {n: t for n, t in tensors.items() if isinstance(t, TensorInfo)}
+    if kind is None or any(t.shape != out.shape for n, t in infos.items() if n in call.global_names):
         return []
-    if kind == "sum" and _tensor_slots_hold_globals(call):
-        return [Signature((P,) * n_in, (P,) * n_out)]
+    names = list(infos)
+    if kind == "sum" and len(infos) == len(tensors):  # a number in a tensor slot would be added on every rank
+        return [Signature(tuple((n, P) for n in names), P)]
     if kind == "scale":
-        return [Signature(tuple(P if i == k else B for i in range(n_in)), (P,) * n_out) for k in range(n_in)]
+        return [Signature(tuple((n, P if n == k else B) for n in names), P) for k in names]
     if kind == "scale_first":
-        return [Signature((P,) + (B,) * (n_in - 1), (P,) * n_out)]
-    if kind == "copy" and n_in == 1:
-        out_dtype = call.outputs[0].dtype
-        keeps_sums = out_dtype.is_floating_point or out_dtype.is_complex or out_dtype == call.inputs[0].dtype
+        return [Signature(tuple((n, P if i == 0 else B) for i, n in enumerate(names)), P)]
+    if kind == "copy" and len(names) == 1:
+        keeps_sums = out.dtype.is_floating_point or out.dtype.is_complex or out.dtype == infos[names[0]].dtype
         kinds = ["sum", "max", "min"] if keeps_sums else ["max", "min"]
-        return [Signature((Partial(op),), (Partial(op),) * n_out) for op in kinds]
+        return [Signature(((names[0], Partial(op)),), Partial(op)) for op in kinds]
     return []
+
+
+def _tensor_arguments(call: OpCall) -> dict:
+    """Every Tensor-typed argument that is present, by name: TensorInfo, or the number passed in its place."""
+    return {
+        a.name: call.arguments[a.name]
+        for a in call.func._schema.arguments
+        if str(a.type) in ("Tensor", "Optional[Tensor]") and call.arguments.get(a.name) is not None
+    }
 
 
 @register_family(is_pointwise)
 def pointwise(call: OpCall) -> list[Signature]:
     if not call.outputs:
         return []
-    out_shape, n_out = call.outputs[0].shape, len(call.outputs)
+    out_shape = call.outputs[0].shape
+    tensors = _tensor_arguments(call)
+    names = [n for n, t in tensors.items() if isinstance(t, TensorInfo)]
     signatures = [
-        Signature(tuple(operand_sbp(out_shape, x, d) for x in call.inputs), (S(d),) * n_out)
-        for d in range(len(out_shape))
+        Signature(tuple((n, operand_sbp(out_shape, tensors[n], d)) for n in names), S(d)) for d in range(len(out_shape))
     ]
-    signatures.append(Signature((B,) * len(call.inputs), (B,) * n_out))
-    return signatures + _partial_signatures(call)
+    return signatures + _partial_signatures(call, tensors)

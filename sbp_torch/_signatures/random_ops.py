@@ -31,6 +31,7 @@ from .core import (
     operand_sbp,
     partials_as_broadcast,
     register,
+    sig,
 )
 
 aten = torch.ops.aten
@@ -89,44 +90,43 @@ def _advance_outside(func, ctx: LocalContext) -> None:
 
 
 def _uses_own_generator(call: OpCall) -> bool:
-    return call.arg("generator") is not None
+    return call.get("generator") is not None
 
 
 @register(
-    aten.rand_like.default, aten.randn_like.default, aten.bernoulli.p, local_fns=LOCAL_FNS, outside=_advance_outside
+    aten.rand_like.default,
+    aten.randn_like.default,
+    aten.bernoulli.p,
+    reads=("generator",),
+    local_fns=LOCAL_FNS,
+    outside=_advance_outside,
 )
-def fresh(call: OpCall) -> list[Signature]:
+def fresh(call: OpCall) -> list[Signature] | None:
     """The input gives only the shape: its splits are kept, broadcast and partial inputs give B."""
-    return [] if _uses_own_generator(call) else like_input(call, "random")
+    return None if _uses_own_generator(call) else like_input(call, "random")
 
 
-@register(aten.bernoulli.default, local_fns=LOCAL_FNS, outside=_advance_outside)
-def bernoulli(call: OpCall) -> list[Signature]:
+@register(aten.bernoulli.default, reads=("generator",), local_fns=LOCAL_FNS, outside=_advance_outside)
+def bernoulli(call: OpCall) -> list[Signature] | None:
     """The input holds the probabilities: split or broadcast (a partial probability is no probability)."""
     if _uses_own_generator(call):
-        return []
-    splits = [Signature((S(d),), (S(d),), "random") for d in range(call.inputs[0].ndim)]
-    return splits + [Signature((B,), (B,), "random")]
+        return None
+    return [sig(S(d), "random", self=S(d)) for d in range(call["self"].ndim)] + [sig(B, "random", self=B)]
 
 
-@register(*IN_PLACE, local_fns=LOCAL_FNS, outside=_advance_outside)
-def fill_random(call: OpCall) -> list[Signature]:
+@register(*IN_PLACE, reads=("generator", "p"), local_fns=LOCAL_FNS, outside=_advance_outside)
+def fill_random(call: OpCall) -> list[Signature] | None:
     """In place: the tensor keeps its layout (partial too); a tensor ``p`` of ``bernoulli_`` broadcasts."""
     if _uses_own_generator(call):
-        return []
-    x, operands = call.inputs[0], call.inputs[1:]
-    signatures = [
-        Signature((S(d),) + tuple(operand_sbp(x.shape, t, d) for t in operands), (S(d),), "random")
-        for d in range(x.ndim)
-    ]
-    return signatures + [Signature((s,) + (B,) * len(operands), (s,), "random") for s in (B, *PARTIALS)]
+        return None
+    x, p = call["self"], call.get("p")
+    signatures = [sig(S(d), "random", self=S(d), p=operand_sbp(x.shape, p, d)) for d in range(x.ndim)]
+    return signatures + [sig(s, "random", self=s, p=B) for s in (B, *PARTIALS)]
 
 
 @register(aten.native_dropout.default, local_fns=LOCAL_FNS, outside=_advance_outside)
 def native_dropout(call: OpCall) -> list[Signature]:
     """(output, mask): the output is linear in the input, so a partial input gives a partial output and a
     broadcast mask."""
-    if _uses_own_generator(call):
-        return []
-    splits = [Signature((S(d),), (S(d), S(d)), "random") for d in range(call.inputs[0].ndim)]
-    return splits + [Signature((s,), (s, B), "random") for s in (B, *PARTIALS)]
+    splits = [sig(S(d), "random", input=S(d)) for d in range(call["input"].ndim)]
+    return splits + [sig((s, B), "random", input=s) for s in (B, *PARTIALS)]

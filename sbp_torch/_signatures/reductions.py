@@ -28,7 +28,23 @@ from typing import NamedTuple
 
 import torch
 
-from .core import P_MAX, P_MIN, B, LocalContext, OpCall, P, Partial, S, Signature, register, smallest_part
+from .core import (
+    P_MAX,
+    P_MIN,
+    B,
+    LocalContext,
+    OpCall,
+    P,
+    Partial,
+    S,
+    Signature,
+    TensorInfo,
+    floats_only,
+    normalize_dims,
+    register,
+    sig,
+    smallest_part,
+)
 
 aten = torch.ops.aten
 
@@ -60,28 +76,23 @@ BOOL_ONLY_KEPT = {aten.any.default, aten.any.dim, aten.any.dims, aten.all.defaul
 
 
 def reduced_dims(dim, ndim: int) -> tuple[int, ...]:
-    """The dims a ``dim`` argument reduces: None or an empty list mean all of them."""
-    if ndim == 0:
-        return ()
-    if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
-        return tuple(range(ndim))
-    dims = [dim] if isinstance(dim, int) else dim
-    return tuple(sorted({d % ndim for d in dims}))
+    """The dims a ``dim`` argument reduces: None or an empty list mean all of them (none of a 0-dim tensor)."""
+    return () if ndim == 0 else normalize_dims(dim, ndim)
 
 
-def _order(call_or_args) -> float:
-    order = call_or_args.get("ord", call_or_args.get("p"))
+def _order(arguments) -> float:
+    """The order of a vector norm (``ord`` or ``p``; 2 when not given)."""
+    order = arguments.get("ord", arguments.get("p"))
     return 2.0 if order is None else float(order)
 
 
 def _every_part_nonempty(call: OpCall, combo: tuple[Signature, ...]) -> bool:
     """Where the local reduction fails on an empty part (max/min, norms of infinite order), no part is empty."""
     split_gives, _ = REDUCTIONS[call.func]
-    fails_on_empty = math.isinf(_order(call.bound)) if split_gives == VECTOR_NORM else split_gives in (P_MAX, P_MIN)
+    fails_on_empty = math.isinf(_order(call)) if split_gives == VECTOR_NORM else split_gives in (P_MAX, P_MIN)
     if not fails_on_empty:
         return True
-    dims = reduced_dims(call.bound.get("dim"), call.inputs[0].ndim)
-    return all(smallest_part(call, combo, 0, d) > 0 for d in dims)
+    return all(smallest_part(call, combo, "self", d) > 0 for d in reduced_dims(call.get("dim"), call["self"].ndim))
 
 
 def _mean(func, ctx: LocalContext) -> torch.Tensor:
@@ -126,33 +137,54 @@ def _vector_norm(func, ctx: LocalContext) -> torch.Tensor:
     return statistic.to_norm(ctx.all_reduce(local, statistic.op))
 
 
-@register(*REDUCTIONS, check_nd=_every_part_nonempty, local_fns={MEAN: _mean, VECTOR_NORM: _vector_norm})
+def _sum_outputs(call: OpCall) -> list[TensorInfo] | None:
+    x = call["self"]
+    if call.get("dtype") is not None:
+        return None
+    try:
+        dims = reduced_dims(call.get("dim"), x.ndim)
+    except IndexError:
+        return None  # the op raises
+    if call.get("keepdim", False):
+        return [TensorInfo(tuple(1 if i in dims else n for i, n in enumerate(x.shape)), x.dtype)]
+    return [TensorInfo(tuple(n for i, n in enumerate(x.shape) if i not in dims), x.dtype)]
+
+
+def _shape_rule(call: OpCall) -> list[TensorInfo] | None:
+    return _sum_outputs(call) if call.func is aten.sum.dim_IntList else None
+
+
+@register(
+    *REDUCTIONS,
+    reads=("dim", "keepdim", "ord", "p", "dtype"),
+    check_nd=_every_part_nonempty,
+    local_fns={MEAN: _mean, VECTOR_NORM: _vector_norm},
+    outputs=floats_only(_shape_rule),
+)
 def reduction(call: OpCall) -> list[Signature]:
-    x = call.inputs[0]
-    n_out = len(call.outputs)
-    reduced = reduced_dims(call.bound.get("dim"), x.ndim)
-    keepdim = call.arg("keepdim", False)
+    x = call["self"]
+    reduced = reduced_dims(call.get("dim"), x.ndim)
+    keepdim = call.get("keepdim", False)
     split_gives, kept = REDUCTIONS[call.func]
     signatures = []
     for d in range(x.ndim):
         if d not in reduced:
             out_dim = d if keepdim else d - sum(r < d for r in reduced)
-            signatures.append(Signature((S(d),), (S(out_dim),) * n_out))
+            signatures.append(sig(S(out_dim), self=S(d)))
         elif isinstance(split_gives, Partial):
-            signatures.append(Signature((S(d),), (split_gives,) * n_out))
+            signatures.append(sig(split_gives, self=S(d)))
         elif split_gives == MEAN:
-            signatures.append(Signature((S(d),), (P,) * n_out, local_fn=MEAN))
+            signatures.append(sig(P, MEAN, self=S(d)))
         elif split_gives == VECTOR_NORM:
-            signatures.append(Signature((S(d),), (B,) * n_out, local_fn=VECTOR_NORM))
-    signatures.append(Signature((B,), (B,) * n_out))
+            signatures.append(sig(B, VECTOR_NORM, self=S(d)))
+    signatures.append(sig(B, self=B))
     if call.func not in BOOL_ONLY_KEPT or x.dtype == torch.bool:
-        signatures += [Signature((p,), (p,) * n_out) for p in kept]
+        signatures += [sig(p, self=p) for p in kept]
     return signatures
 
 
-@register(aten.cumsum.default)
+@register(aten.cumsum.default, reads=("dim",))
 def cumsum(call: OpCall) -> list[Signature]:
-    x = call.inputs[0]
-    scanned = call.bound["dim"] % x.ndim if x.ndim else None
-    signatures = [Signature((S(d),), (S(d),)) for d in range(x.ndim) if d != scanned]
-    return signatures + [Signature((B,), (B,)), Signature((P,), (P,))]
+    x = call["self"]
+    scanned = call.dim("dim") if x.ndim else None
+    return [sig(S(d), self=S(d)) for d in range(x.ndim) if d != scanned] + [sig(P, self=P)]

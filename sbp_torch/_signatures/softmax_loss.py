@@ -30,7 +30,7 @@ import math
 
 import torch
 
-from .core import B, GlobalMeta, LocalContext, OpCall, P, S, Signature, Split, register
+from .core import B, GlobalMeta, LocalContext, OpCall, P, S, Signature, Split, TensorInfo, floats_only, register, sig
 
 aten = torch.ops.aten
 
@@ -70,29 +70,48 @@ def _softmax_backward(func, ctx: LocalContext) -> torch.Tensor:
     return (out * (grad - row_sum)).to(input_dtype)
 
 
-@register(aten._softmax, aten._log_softmax, local_fns={SOFTMAX: _softmax})
+def _softmax_outputs(call: OpCall) -> list[TensorInfo] | None:
+    x = call["self"]
+    if call["half_to_float"] or not -max(x.ndim, 1) <= call["dim"] < max(x.ndim, 1):
+        return None
+    return [TensorInfo(x.shape, x.dtype)]
+
+
+SOFTMAX_ARGUMENTS = ("dim", "half_to_float")
+
+
+@register(
+    aten._softmax,
+    aten._log_softmax,
+    reads=SOFTMAX_ARGUMENTS,
+    local_fns={SOFTMAX: _softmax},
+    outputs=floats_only(_softmax_outputs),
+)
 def softmax(call: OpCall) -> list[Signature]:
-    ndim = call.inputs[0].ndim
-    dim = call.bound["dim"] % max(ndim, 1)
-    signatures = [Signature((S(d),), (S(d),), local_fn=SOFTMAX if d == dim else None) for d in range(ndim)]
-    return signatures + [Signature((B,), (B,))]
+    dim = call.dim()
+    return [sig(S(d), SOFTMAX if d == dim else None, self=S(d)) for d in range(call["self"].ndim)]
 
 
-@register(aten._safe_softmax)
+@register(aten._safe_softmax, reads=("dim",))
 def safe_softmax(call: OpCall) -> list[Signature]:
     """Softmax that gives zeros for rows of -inf (attention masks): rows are independent; the softmax dim stays
     whole."""
-    ndim = call.inputs[0].ndim
-    dim = call.bound["dim"] % max(ndim, 1)
-    return [Signature((S(d),), (S(d),)) for d in range(ndim) if d != dim] + [Signature((B,), (B,))]
+    dim = call.dim()
+    return [sig(S(d), self=S(d)) for d in range(call["self"].ndim) if d != dim]
 
 
-@register(aten._softmax_backward_data, aten._log_softmax_backward_data, local_fns={SOFTMAX: _softmax_backward})
+@register(
+    aten._softmax_backward_data,
+    aten._log_softmax_backward_data,
+    reads=("dim",),
+    local_fns={SOFTMAX: _softmax_backward},
+)
 def softmax_backward(call: OpCall) -> list[Signature]:
-    ndim = call.inputs[0].ndim
-    dim = call.bound["dim"] % max(ndim, 1)
-    signatures = [Signature((S(d), S(d)), (S(d),), local_fn=SOFTMAX if d == dim else None) for d in range(ndim)]
-    return signatures + [Signature((B, B), (B,)), Signature((P, B), (P,))]
+    dim = call.dim(of="grad_output")
+    signatures = [
+        sig(S(d), SOFTMAX if d == dim else None, grad_output=S(d), output=S(d)) for d in range(call["grad_output"].ndim)
+    ]
+    return signatures + [sig(B, grad_output=B, output=B), sig(P, grad_output=P, output=B)]
 
 
 # negative log-likelihood
@@ -146,43 +165,39 @@ def _nll_backward(func, ctx: LocalContext):
     return ctx.call(func, target=target, weight=weight, ignore_index=ignore)
 
 
-@register(aten.nll_loss_forward, aten.nll_loss2d_forward, local_fns={NLL: _nll_forward})
+@register(aten.nll_loss_forward, aten.nll_loss2d_forward, reads=("reduction",), local_fns={NLL: _nll_forward})
 def nll_loss(call: OpCall) -> list[Signature]:
-    ndim, reduction = call.inputs[0].ndim, call.bound["reduction"]
+    ndim, reduction = call["self"].ndim, call["reduction"]
     class_dim = _class_dim(ndim)
-    weight = (B,) * (len(call.inputs) - 2)
     signatures = []
     for d in range(ndim):
         if d == class_dim:
             continue
-        target_sbp = S(d - (d > class_dim))
-        inputs = (S(d), target_sbp) + weight
+        target = S(d - (d > class_dim))
         if reduction == NONE:
-            signatures.append(Signature(inputs, (target_sbp, B)))
+            signatures.append(sig((target, B), self=S(d), target=target, weight=B))
         elif reduction == SUM:
-            signatures.append(Signature(inputs, (P, P)))
+            signatures.append(sig(P, self=S(d), target=target, weight=B))
         else:
-            signatures.append(Signature(inputs, (P, B), local_fn=NLL))
-    signatures.append(Signature((S(class_dim), B) + weight, (P, B), local_fn=NLL))
-    return signatures + [Signature((B, B) + weight, (B, B))]
+            signatures.append(sig((P, B), NLL, self=S(d), target=target, weight=B))
+    return signatures + [sig((P, B), NLL, self=S(class_dim), target=B, weight=B)]
 
 
-@register(aten.nll_loss_backward, aten.nll_loss2d_backward, local_fns={NLL: _nll_backward})
+@register(aten.nll_loss_backward, aten.nll_loss2d_backward, reads=("reduction",), local_fns={NLL: _nll_backward})
 def nll_loss_backward(call: OpCall) -> list[Signature]:
-    ndim, reduction = call.inputs[1].ndim, call.bound["reduction"]
+    ndim, reduction = call["self"].ndim, call["reduction"]
     class_dim = _class_dim(ndim)
-    weight = (B,) * (len(call.inputs) - 4)
     signatures = []
     for d in range(ndim):
         if d == class_dim:
             continue
-        target_sbp = S(d - (d > class_dim))
-        grad_sbp = target_sbp if reduction == NONE else B
-        signatures.append(Signature((grad_sbp, S(d), target_sbp) + weight + (B,), (S(d),)))
+        target = S(d - (d > class_dim))
+        grad = target if reduction == NONE else B
+        signatures.append(sig(S(d), grad_output=grad, self=S(d), target=target, weight=B, total_weight=B))
         if reduction == SUM:  # the total weight is not used: leave it partial
-            signatures.append(Signature((grad_sbp, S(d), target_sbp) + weight + (P,), (S(d),)))
-    signatures.append(Signature((B, S(class_dim), B) + weight + (B,), (S(class_dim),), local_fn=NLL))
-    return signatures + [Signature((B, B, B) + weight + (B,), (B,))]
+            signatures.append(sig(S(d), grad_output=grad, self=S(d), target=target, weight=B, total_weight=P))
+    both = sig(S(class_dim), NLL, grad_output=B, self=S(class_dim), target=B, weight=B, total_weight=B)
+    return signatures + [both]
 
 
 # mean squared error
@@ -193,31 +208,25 @@ def _mse_mean(func, ctx: LocalContext):
     return ctx.call(func, reduction=SUM) / math.prod(ctx.inputs[-1].shape)
 
 
-@register(aten.mse_loss, local_fns={MSE_MEAN: _mse_mean})
+@register(aten.mse_loss, reads=("reduction",), local_fns={MSE_MEAN: _mse_mean})
 def mse_loss(call: OpCall) -> list[Signature]:
-    x, target = call.inputs
-    signatures = [Signature((B, B), (B,))]
+    x, target = call["self"], call["target"]
     if x.shape != target.shape:
-        return signatures
-    reduction = call.arg("reduction", MEAN)
-    for d in range(x.ndim):
-        if reduction == NONE:
-            signatures.append(Signature((S(d), S(d)), (S(d),)))
-        else:
-            signatures.append(Signature((S(d), S(d)), (P,), local_fn=MSE_MEAN if reduction == MEAN else None))
-    return signatures
+        return []
+    reduction = call.get("reduction", MEAN)
+    if reduction == NONE:
+        return [sig(S(d), self=S(d), target=S(d)) for d in range(x.ndim)]
+    local_fn = MSE_MEAN if reduction == MEAN else None
+    return [sig(P, local_fn, self=S(d), target=S(d)) for d in range(x.ndim)]
 
 
-@register(aten.mse_loss_backward, local_fns={MSE_MEAN: _mse_mean})
+@register(aten.mse_loss_backward, reads=("reduction",), local_fns={MSE_MEAN: _mse_mean})
 def mse_loss_backward(call: OpCall) -> list[Signature]:
-    grad, x, target = call.inputs
-    signatures = [Signature((B, B, B), (B,))]
+    x, target = call["self"], call["target"]
     if x.shape != target.shape:
-        return signatures
-    reduction = call.bound["reduction"]
-    for d in range(x.ndim):
-        if reduction == NONE:
-            signatures.append(Signature((S(d), S(d), S(d)), (S(d),)))
-        else:
-            signatures.append(Signature((B, S(d), S(d)), (S(d),), local_fn=MSE_MEAN if reduction == MEAN else None))
-    return signatures
+        return []
+    reduction = call["reduction"]
+    if reduction == NONE:
+        return [sig(S(d), grad_output=S(d), self=S(d), target=S(d)) for d in range(x.ndim)]
+    local_fn = MSE_MEAN if reduction == MEAN else None
+    return [sig(S(d), local_fn, grad_output=B, self=S(d), target=S(d)) for d in range(x.ndim)]

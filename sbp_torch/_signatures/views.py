@@ -23,78 +23,95 @@ local functions that hand the local op the local sizes; ``view`` reshapes, becau
 transposed tensor need not be viewable even where the logical tensor (always contiguous to torch) is.
 """
 
+import math
+
 import torch
 
-from .core import B, LocalContext, OpCall, P, S, Signature, Split, pass_through, register
+from .core import (
+    B,
+    LocalContext,
+    OpCall,
+    P,
+    S,
+    Signature,
+    Split,
+    TensorInfo,
+    floats_only,
+    normalize_dim,
+    pass_through,
+    register,
+    sig,
+)
 
 aten = torch.ops.aten
 
 
 def _norm(dim: int, ndim: int) -> int:
-    return dim % ndim if ndim else 0
+    return normalize_dim(dim, ndim) if ndim else 0
 
 
 # Which input dims keep their split, and the output dim each becomes: one function per op.
 
 
 def _t(call: OpCall) -> dict[int, int]:
-    n = call.inputs[0].ndim
+    n = call["self"].ndim
     return {0: 1, 1: 0} if n == 2 else {d: d for d in range(n)}
 
 
 def _transpose(call: OpCall) -> dict[int, int]:
-    n = call.inputs[0].ndim
-    d0, d1 = _norm(call.arg("dim0"), n), _norm(call.arg("dim1"), n)
+    n = call["self"].ndim
+    d0, d1 = _norm(call["dim0"], n), _norm(call["dim1"], n)
     swap = {d0: d1, d1: d0}
     return {d: swap.get(d, d) for d in range(n)}
 
 
 def _permute(call: OpCall) -> dict[int, int]:
-    n = call.inputs[0].ndim
-    dims = [_norm(d, n) for d in call.arg("dims")]
+    n = call["self"].ndim
+    dims = [_norm(d, n) for d in call["dims"]]
     return {d: dims.index(d) for d in range(n)}
 
 
 def _unsqueeze(call: OpCall) -> dict[int, int]:
-    n = call.inputs[0].ndim
-    dim = call.arg("dim") % (n + 1)
+    n = call["self"].ndim
+    dim = normalize_dim(call["dim"], n + 1)
     return {d: d + (d >= dim) for d in range(n)}
 
 
-def squeezed_dims(call_func, shape: tuple[int, ...], bound: dict) -> list[int]:
+def squeezed_dims(call_func, shape: tuple[int, ...], arguments) -> list[int]:
     """The dims that the squeeze actually removes: the requested ones of logical size 1."""
     n = len(shape)
     if call_func == aten.squeeze.dim:
-        requested = [bound["dim"]]
+        requested = [arguments["dim"]]
     elif call_func == aten.squeeze.dims:
-        requested = list(bound["dim"])
+        requested = list(arguments["dim"])
     else:
         requested = range(n)
     return sorted({_norm(d, n) for d in requested if n and shape[_norm(d, n)] == 1})
 
 
 def _squeeze(call: OpCall) -> dict[int, int]:
-    removed = squeezed_dims(call.func, call.inputs[0].shape, call.bound)
-    return {d: d - sum(r < d for r in removed) for d in range(call.inputs[0].ndim) if d not in removed}
+    shape = call["self"].shape
+    removed = squeezed_dims(call.func, shape, call)
+    return {d: d - sum(r < d for r in removed) for d in range(len(shape)) if d not in removed}
 
 
 def _expand(call: OpCall) -> dict[int, int]:
-    shape, out = call.inputs[0].shape, call.outputs[0].shape
+    shape, out = call["self"].shape, call.outputs[0].shape
     lead = len(out) - len(shape)
     return {d: d + lead for d in range(len(shape)) if shape[d] == out[d + lead]}
 
 
 def _slice(call: OpCall) -> dict[int, int]:
-    shape, out = call.inputs[0].shape, call.outputs[0].shape
-    dim = _norm(call.arg("dim", 0), len(shape))
-    whole = shape[dim] == out[dim] and call.arg("step", 1) == 1
+    shape, out = call["self"].shape, call.outputs[0].shape
+    dim = _norm(call.get("dim", 0), len(shape))
+    whole = shape[dim] == out[dim] and call.get("step", 1) == 1
     return {d: d for d in range(len(shape)) if d != dim or whole}
 
 
 def _drop_dim(call: OpCall) -> dict[int, int]:
     """select/unbind: the dim disappears."""
-    n = call.inputs[0].ndim
-    dim = _norm(call.arg("dim", 0), n)
+    n = call["self"].ndim
+    dim = _norm(call.get("dim", 0), n)
     return {d: d - (d > dim) for d in range(n) if d != dim}
 
 
@@ -102,8 +119,8 @@ def _other_dims(dims_argument: str, default):
     """Ops that change only the dims named by an argument (split, flip, roll, rot90, narrow_copy, unfold)."""
 
     def kept(call: OpCall) -> dict[int, int]:
-        n = call.inputs[0].ndim
-        changed = call.arg(dims_argument, default)
+        n = call["self"].ndim
+        changed = call.get(dims_argument, default)
         changed = {_norm(d, n) for d in (changed if isinstance(changed, (list, tuple)) else [changed])}
         return {d: d for d in range(n) if d not in changed}
 
@@ -111,25 +128,25 @@ def _other_dims(dims_argument: str, default):
 
 
 def _roll(call: OpCall) -> dict[int, int]:
-    return _other_dims("dims", [])(call) if call.arg("dims", []) else {}  # no dims: rolls the flattened tensor
+    return _other_dims("dims", [])(call) if call.get("dims", []) else {}  # no dims: rolls the flattened tensor
 
 
 def _repeat(call: OpCall) -> dict[int, int]:
-    n = call.inputs[0].ndim
-    repeats = call.arg("repeats")
+    n = call["self"].ndim
+    repeats = call["repeats"]
     lead = len(repeats) - n
     return {d: d + lead for d in range(n) if repeats[d + lead] == 1}
 
 
 def _slice_or_unfold_backward(call: OpCall) -> dict[int, int]:
-    n = len(call.arg("input_sizes"))
-    dim = _norm(call.arg("dim"), n)
+    n = len(call["input_sizes"])
+    dim = _norm(call["dim"], n)
     return {d: d for d in range(n) if d != dim}
 
 
 def _select_backward(call: OpCall) -> dict[int, int]:
-    n = len(call.arg("input_sizes"))
-    dim = _norm(call.arg("dim"), n)
+    n = len(call["input_sizes"])
+    dim = _norm(call["dim"], n)
     return {d: d + (d >= dim) for d in range(n - 1)}
 
 
@@ -158,11 +175,12 @@ def view_blocks(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[list[i
 
 def _exact_view_splits(call: OpCall, combo: tuple[Signature, ...]) -> bool:
     """A split of a merged or split block must cut it into equal parts on both sides (module docstring)."""
-    src, dst = call.inputs[0].shape, call.outputs[0].shape
+    src, dst = call["self"].shape, call.outputs[0].shape
     parts: dict[int, int] = {}
-    for size, sig in zip(call.mesh_shape, combo):
-        if isinstance(sig.inputs[0], Split):
-            parts[sig.inputs[0].dim] = parts.get(sig.inputs[0].dim, 1) * size
+    for size, signature in zip(call.mesh_shape, combo):
+        layout = signature.sbp_of("self")
+        if isinstance(layout, Split):
+            parts[layout.dim] = parts.get(layout.dim, 1) * size
     if not parts:
         return True
     for ins, outs in view_blocks(src, dst):
@@ -225,51 +243,111 @@ LOCAL_FNS = {"local_size": _local_size, "squeeze": _local_squeeze, "reshape": _r
 
 
 def _one_input(call: OpCall, kept: dict[int, int], local_fn: str | None) -> list[Signature]:
-    n_out = len(call.outputs)
-    splits = [Signature((S(d),), (S(e),) * n_out, local_fn) for d, e in kept.items()]
-    return splits + pass_through(1, n_out, local_fn)
+    name = call.func._schema.arguments[0].name  # self, or the gradient of a view's backward
+    splits = [Signature(((name, S(d)),), S(e), local_fn) for d, e in kept.items()]
+    return splits + pass_through([name], local_fn)
 
 
-@register(*SINGLE_INPUT_VIEWS, local_fns=LOCAL_FNS)
+def _view_outputs(call: OpCall) -> list[TensorInfo] | None:
+    x, size = call["self"], list(call["size"])
+    if any(n < -1 for n in size):
+        return None
+    numel, known = math.prod(x.shape), math.prod(n for n in size if n != -1)
+    if size.count(-1) > 1 or (size.count(-1) == 1 and (known == 0 or numel % known)):
+        return None
+    if -1 in size:
+        size[size.index(-1)] = numel // known
+    elif known != numel:
+        return None
+    return [TensorInfo(tuple(size), x.dtype)]
+
+
+def _t_outputs(call: OpCall) -> list[TensorInfo] | None:
+    x = call["self"]
+    return None if x.ndim > 2 else [TensorInfo(tuple(reversed(x.shape)), x.dtype)]
+
+
+def _transpose_outputs(call: OpCall) -> list[TensorInfo] | None:
+    x = call["self"]
+    if not x.ndim:
+        return None
+    try:
+        i, j = normalize_dim(call["dim0"], x.ndim), normalize_dim(call["dim1"], x.ndim)
+    except IndexError:
+        return None  # the op raises
+    shape = list(x.shape)
+    shape[i], shape[j] = shape[j], shape[i]
+    return [TensorInfo(tuple(shape), x.dtype)]
+
+
+OUTPUT_RULES = {aten.t.default: _t_outputs, aten.transpose.int: _transpose_outputs, aten.view.default: _view_outputs}
+
+
+def _outputs(call: OpCall) -> list[TensorInfo] | None:
+    """The shapes of t, transpose and view, which every model calls, without running them on meta tensors."""
+    rule = OUTPUT_RULES.get(call.func)
+    return None if rule is None else rule(call)
+
+
+# Every argument the kept-dims functions above read.
+VIEW_ARGUMENTS = ("dim", "dim0", "dim1", "dims", "step", "repeats", "input_sizes", "dimension")
+
+
+@register(*SINGLE_INPUT_VIEWS, reads=VIEW_ARGUMENTS, local_fns=LOCAL_FNS, outputs=floats_only(_outputs))
 def single_input_view(call: OpCall) -> list[Signature]:
     kept, local_fn = SINGLE_INPUT_VIEWS[call.func]
     return _one_input(call, kept(call), local_fn)
 
 
-@register(*VIEWS, check_nd=_exact_view_splits, local_fns=LOCAL_FNS)
+@register(*VIEWS, reads=("size",), check_nd=_exact_view_splits, local_fns=LOCAL_FNS, outputs=floats_only(_outputs))
 def view(call: OpCall) -> list[Signature]:
-    src, dst = call.inputs[0].shape, call.outputs[0].shape
+    src, dst = call["self"].shape, call.outputs[0].shape
     kept = {} if 0 in src else {ins[0]: outs[0] for ins, outs in view_blocks(src, dst)}
     return _one_input(call, kept, "reshape")
 
 
-@register(aten.cat.default)
+def _cat_outputs(call: OpCall) -> list[TensorInfo] | None:
+    tensors = [t for t in call["tensors"] if isinstance(t, TensorInfo)]
+    if len(tensors) != len(call["tensors"]) or not tensors or len({t.ndim for t in tensors}) != 1:
+        return None
+    if not tensors[0].ndim or len({t.dtype for t in tensors}) != 1:
+        return None
+    try:
+        dim = normalize_dim(call["dim"], tensors[0].ndim)
+    except IndexError:
+        return None  # the op raises
+    first = tensors[0].shape
+    if any(t.shape[:dim] + t.shape[dim + 1 :] != first[:dim] + first[dim + 1 :] for t in tensors):
+        return None
+    return [TensorInfo(first[:dim] + (sum(t.shape[dim] for t in tensors),) + first[dim + 1 :], tensors[0].dtype)]
+
+
+@register(aten.cat.default, reads=("dim",), outputs=floats_only(_cat_outputs))
 def cat(call: OpCall) -> list[Signature]:
-    n, k = call.outputs[0].ndim, len(call.inputs)
+    n, tensors = call.outputs[0].ndim, call["tensors"]
     # legacy: cat skips 1-D empty inputs of any other rank (a KV cache's first keys); they hold nothing, so they
     # stay broadcast while the others keep their split
-    skipped = [x.ndim != n and x.shape == (0,) for x in call.inputs]
-    if any(x.ndim != n and not skip for x, skip in zip(call.inputs, skipped)):
-        return pass_through(k, 1)
-    dim = _norm(call.arg("dim", 0), n)
-    splits = [Signature(tuple(B if skip else S(d) for skip in skipped), (S(d),)) for d in range(n) if d != dim]
-    return splits + pass_through(k, 1)
+    skipped = [x.ndim != n and x.shape == (0,) for x in tensors]
+    if any(x.ndim != n and not skip for x, skip in zip(tensors, skipped)):
+        return pass_through(["tensors"])
+    dim = _norm(call.get("dim", 0), n)
+    splits = [sig(S(d), tensors=tuple(B if skip else S(d) for skip in skipped)) for d in range(n) if d != dim]
+    return splits + pass_through(["tensors"])
 
 
-@register(aten.stack.default)
+@register(aten.stack.default, reads=("dim",))
 def stack(call: OpCall) -> list[Signature]:
-    n, k = call.inputs[0].ndim, len(call.inputs)
-    dim = call.arg("dim", 0) % (n + 1)
-    return [Signature((S(d),) * k, (S(d + (d >= dim)),)) for d in range(n)] + pass_through(k, 1)
+    n = call["tensors"][0].ndim
+    dim = normalize_dim(call.get("dim", 0), n + 1)
+    return [sig(S(d + (d >= dim)), tensors=S(d)) for d in range(n)] + pass_through(["tensors"])
 
 
-@register(aten.constant_pad_nd.default)
+@register(aten.constant_pad_nd.default, reads=("pad", "value"))
 def constant_pad(call: OpCall) -> list[Signature]:
     """Padding changes the last ``len(pad) // 2`` dims: the others may stay split. Partial sums pass only when the
     padding value is 0 (the sum of zeros); max and min pass for any value only if every rank pads alike, which
     they do not (a partial max's idle parts hold -inf), so they are boxed."""
-    n = call.inputs[0].ndim
-    padded = len(call.bound["pad"]) // 2
-    splits = [Signature((S(d),), (S(d),)) for d in range(n - padded)]
-    partial = [Signature((P,), (P,))] if call.arg("value", 0) == 0 else []
-    return splits + partial + [Signature((B,), (B,))]
+    n = call["self"].ndim
+    padded = len(call["pad"]) // 2
+    splits = [sig(S(d), self=S(d)) for d in range(n - padded)]
+    return splits + ([sig(P, self=P)] if call.get("value", 0) == 0 else [])

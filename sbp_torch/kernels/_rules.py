@@ -19,7 +19,7 @@ Every op has B everywhere → B. The backward of the other ops is made of aten o
 
 import torch
 
-from .._signatures.core import B, GlobalMeta, LocalContext, OpCall, P, S, Signature, Split, operand_sbp, register
+from .._signatures.core import B, GlobalMeta, LocalContext, OpCall, P, S, Signature, Split, operand_sbp, register, sig
 from . import _bias_dropout_add as bda
 from . import _bias_gelu, _norms, _softmax  # noqa: F401  (they define the ops ruled here)
 from . import _cross_entropy as ce
@@ -29,24 +29,23 @@ ops = torch.ops.sbp_torch
 RANDOM, CE = "random", "ce"
 
 
-def _feature_signatures(call: OpCall, params: int, extra=(), local_fn=None, last=True) -> list[Signature]:
-    """x split on a dim: per-feature parameters B (split with x on the last dim if ``last``); ``extra``
-    inputs laid out as x; outputs as x."""
-    x = call.inputs[0]
+def _feature_signatures(call: OpCall, params: tuple[str, ...], like_x=(), local_fn=None, last=True) -> list[Signature]:
+    """x split on a dim: per-feature parameters ``params`` B (split with x on the last dim if ``last``); the
+    arguments ``like_x`` laid out as x; every output as x."""
+    x = call["x"]
     signatures = []
     for d in range(x.ndim):
         if d == x.ndim - 1 and not last:
             continue
         param = S(0) if d == x.ndim - 1 else B
-        signatures.append(
-            Signature((S(d),) + (param,) * params + (S(d),) * len(extra), (S(d),) * len(call.outputs), local_fn)
-        )
-    return signatures + [Signature((B,) * len(call.inputs), (B,) * len(call.outputs), local_fn)]
+        layouts = {"x": S(d), **dict.fromkeys(params, param), **dict.fromkeys(like_x, S(d))}
+        signatures.append(Signature(tuple(layouts.items()), S(d), local_fn))
+    return signatures + [Signature(tuple((n, B) for n in ("x", *params, *like_x)), B, local_fn)]
 
 
 @register(ops.bias_gelu)
 def bias_gelu(call: OpCall) -> list[Signature]:
-    return _feature_signatures(call, 1)
+    return _feature_signatures(call, ("bias",))
 
 
 def _keep(ctx: LocalContext, device) -> torch.Tensor | None:
@@ -73,24 +72,22 @@ def _advance_outside(func, ctx: LocalContext) -> None:
 
 @register(ops.bias_dropout_add, local_fns={RANDOM: _bias_dropout_add}, outside=_advance_outside)
 def bias_dropout_add(call: OpCall) -> list[Signature]:
-    return _feature_signatures(call, 1, extra=("residual",), local_fn=RANDOM)
+    return _feature_signatures(call, ("bias",), like_x=("residual",), local_fn=RANDOM)
 
 
-@register(ops.scale_mask_softmax)
+@register(ops.scale_mask_softmax, reads=("causal",))
 def scale_mask_softmax(call: OpCall) -> list[Signature]:
-    x, operands = call.inputs[0], call.inputs[1:]
-    causal = call.bound.get("causal", False)
-    signatures = [
-        Signature((S(d),) + tuple(operand_sbp(x.shape, m, d) for m in operands), (S(d),))
+    x, mask = call["x"], call.get("mask")
+    return [
+        sig(S(d), x=S(d), mask=operand_sbp(x.shape, mask, d))
         for d in range(x.ndim - 1)
-        if not (causal and d == x.ndim - 2)  # the causal mask needs the global query index
+        if not (call["causal"] and d == x.ndim - 2)  # the causal mask needs the global query index
     ]
-    return signatures + [Signature((B,) * len(call.inputs), (B,))]
 
 
 @register(ops.layer_norm, ops.rms_norm)
 def norms(call: OpCall) -> list[Signature]:
-    return _feature_signatures(call, len(call.inputs) - 1, last=False)
+    return _feature_signatures(call, tuple(n for n in ("weight", "bias") if n in call.arguments), last=False)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -130,21 +127,16 @@ def _ce_backward(func, ctx: LocalContext):
     return ce.softmax_minus_onehot(logits, target, lse, ce.row_weights(a["grad"], kept, reduction, count), first)
 
 
-@register(ops.cross_entropy, local_fns={CE: _ce_forward})
+@register(ops.cross_entropy, reads=("reduction",), local_fns={CE: _ce_forward})
 def cross_entropy(call: OpCall) -> list[Signature]:
-    loss = S(0) if call.bound["reduction"] == REDUCTIONS["none"] else P
-    return [
-        Signature((S(0), S(0)), (loss, S(0)), CE),
-        Signature((S(1), B), (B, B), CE),
-        Signature((B, B), (B, B)),
-    ]
+    loss = S(0) if call["reduction"] == REDUCTIONS["none"] else P
+    return [sig((loss, S(0)), CE, logits=S(0), target=S(0)), sig(B, CE, logits=S(1), target=B)]
 
 
-@register(ops.cross_entropy_backward, local_fns={CE: _ce_backward})
+@register(ops.cross_entropy_backward, reads=("reduction",), local_fns={CE: _ce_backward})
 def cross_entropy_backward(call: OpCall) -> list[Signature]:
-    grad = S(0) if call.bound["reduction"] == REDUCTIONS["none"] else B
+    grad = S(0) if call["reduction"] == REDUCTIONS["none"] else B
     return [
-        Signature((grad, S(0), S(0), S(0)), (S(0),), CE),
-        Signature((B, S(1), B, B), (S(1),), CE),
-        Signature((B, B, B, B), (B,)),
+        sig(S(0), CE, grad=grad, logits=S(0), target=S(0), lse=S(0)),
+        sig(S(1), CE, grad=B, logits=S(1), target=B, lse=B),
     ]
