@@ -124,3 +124,34 @@ def test_view_blocks():
     assert view_blocks((6, 1, 4), (2, 3, 4)) == [([0], [0, 1]), ([2], [2])]
     assert view_blocks((6, 4), (4, 6)) == [([0, 1], [0, 1])]
     assert view_blocks((1, 5), (5, 1)) == [([1], [0])]
+
+
+PAD_VALUES = [0.0, 1.0, 2.5]
+
+
+def pad_history_body(values: list[float], grad: bool) -> list:
+    """``F.pad`` of one partial-sum tensor with each padding value in turn, in one world: each call must give the
+    one-process result, whatever call came before it (a decision cached for ``value=0``, where a partial stays
+    partial, must not be replayed for ``value=1``)."""
+    p = st.placement("cpu", [0, 1])
+    x = torch.arange(6.0).reshape(2, 3).to_global(p, B).to_global(sbp=partial_sum).requires_grad_(grad)
+    out = []
+    for value in values:
+        padded = torch.nn.functional.pad(x, (1, 1), value=value)
+        if grad:
+            padded.sum().backward()
+        out.append((padded.sbp, padded.full_tensor(), None if x.grad is None else x.grad.full_tensor()))
+        x.grad = None
+    return out
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "backward"])
+@pytest.mark.parametrize("order", [PAD_VALUES, PAD_VALUES[::-1]], ids=["zero_first", "zero_last"])
+def test_a_pad_decision_is_not_replayed_for_another_value(order, grad):
+    plain = torch.arange(6.0).reshape(2, 3)
+    for results in run_on_world(2, pad_history_body, order, grad):
+        for value, (sbp, full, gradient) in zip(order, results):
+            torch.testing.assert_close(full, torch.nn.functional.pad(plain, (1, 1), value=value), msg=f"value={value}")
+            assert (sbp == (partial_sum,)) == (value == 0), f"value={value} gave {sbp}"
+            if grad:
+                torch.testing.assert_close(gradient, torch.ones(2, 3))
