@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_flatten
 import sbp_torch as st
 from sbp_torch._dispatch._bound import by_name
 from sbp_torch._dispatch._schema import op_schema
-from sbp_torch._layout import GlobalMeta, Partial, Split, broadcast, check_partial_dtype, narrow_to
+from sbp_torch._layout import GlobalMeta, Partial, Split, broadcast, check_partial_dtype, narrow_to, reduction_identity
 from sbp_torch._signatures import LocalContext, OpCall, Signature, TensorInfo, rule_for, shown_arguments
 from sbp_torch._signatures.core import PARTIALS
 
@@ -262,6 +262,8 @@ def _part_of(value: torch.Tensor, op: str, index: int, parts: int, seed: int) ->
     keeper = seed % parts  # one part holds the value, the others at most (max) or at least (min) it
     if index == keeper:
         return value.clone()
+    if (index + seed) % 2:  # as boxing makes a partial from a whole value: the reduction's identity elsewhere
+        return torch.full_like(value, reduction_identity(op, value.dtype))
     if value.dtype == torch.bool:
         mask = _noise(value.shape, torch.bool, seed + index)
         return value & mask if op == "max" else value | mask

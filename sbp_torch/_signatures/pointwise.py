@@ -5,12 +5,12 @@
 * ``B``: everything broadcast;
 * partial signatures only where the op commutes with the reduction (table ``PARTIAL_KINDS``):
   sums pass through ``add``/``sub``/``neg``; scaling by a broadcast factor keeps any partial sum; copies keep
-  every partial.
+  every partial; non-decreasing functions (``clamp``, ``relu``, ``exp``, ...) keep a partial max or min.
 """
 
 import torch
 
-from .core import B, OpCall, P, Partial, S, Signature, TensorInfo, operand_sbp, register_family
+from .core import P_MAX, P_MIN, B, OpCall, P, Partial, S, Signature, TensorInfo, operand_sbp, register_family
 
 aten = torch.ops.aten
 
@@ -38,6 +38,8 @@ EXTRA_POINTWISE = {
 #   "sum":   every global input P(sum) → P(sum) (additive; numbers in tensor slots are not allowed)
 #   "scale": one global input P(sum), the others B → P(sum) ("first" = only the first input may be partial)
 #   "copy":  one input, any partial kept (the value is not changed)
+#   "monotone": the first input P(max) or P(min), any others B -> the same partial: a non-decreasing function of
+#            the first input commutes with max and min, and maps the parts' identities (-inf, +inf) in order
 PARTIAL_KINDS = {
     **dict.fromkeys([aten.add.Tensor, aten.add_.Tensor, aten.sub.Tensor, aten.sub_.Tensor], "sum"),
     **dict.fromkeys([aten.neg.default, aten.neg_.default, aten._neg_view.default], "sum"),
@@ -47,6 +49,16 @@ PARTIAL_KINDS = {
     **dict.fromkeys([aten.clone.default, aten.detach.default, aten.alias.default, aten.lift_fresh.default], "copy"),
     **dict.fromkeys([aten.positive.default, aten._to_copy.default], "copy"),
     aten.zero_.default: "copy",  # zero is the identity of sum, and a max/min of zeros is zero
+    **dict.fromkeys(
+        [
+            *(getattr(aten, name).default for name in ("clamp", "clamp_", "clamp_min", "clamp_min_", "clamp_max")),
+            *(getattr(aten, name).Tensor for name in ("clamp", "clamp_", "clamp_min", "clamp_max")),
+            aten.clamp_max_.default,
+            *(getattr(aten, name).default for name in ("relu", "relu_", "exp", "exp_", "sigmoid", "tanh")),
+            *(getattr(aten, name).default for name in ("floor", "ceil", "trunc", "hardtanh", "hardtanh_")),
+        ],
+        "monotone",
+    ),
 }
 
 
@@ -68,11 +80,33 @@ def _partial_signatures(call: OpCall, tensors: dict) -> list[Signature]:
         return [Signature(tuple((n, P if n == k else B) for n in names), P) for k in names]
     if kind == "scale_first":
         return [Signature(tuple((n, P if i == 0 else B) for i, n in enumerate(names)), P)]
+    if kind == "monotone":
+        return [Signature(tuple((n, op if i == 0 else B) for i, n in enumerate(names)), op) for op in (P_MAX, P_MIN)]
     if kind == "copy" and len(names) == 1:
-        keeps_sums = out.dtype.is_floating_point or out.dtype.is_complex or out.dtype == infos[names[0]].dtype
-        kinds = ["sum", "max", "min"] if keeps_sums else ["max", "min"]
+        source = infos[names[0]].dtype
+        keeps_sums = out.dtype.is_floating_point or out.dtype.is_complex or out.dtype == source
+        kinds = (["sum"] if keeps_sums else []) + (["max", "min"] if _keeps_order(source, out.dtype) else [])
         return [Signature(((names[0], Partial(op)),), Partial(op)) for op in kinds]
     return []
+
+
+def _keeps_order(source: torch.dtype, target: torch.dtype) -> bool:
+    """Whether converting ``source`` to ``target`` keeps the order of values and maps the identities of max and min
+    (-inf and +inf, or an integer type's bounds) to values no part can beat: the same dtype, to a floating dtype from
+    a real one, or to an integer type that holds every value of the source (bools included). Not from floats to
+    integers (an infinity has no integer value) nor to bools (3 and -3 are both True)."""
+    if source == target:
+        return True
+    if source.is_complex or target.is_complex or target == torch.bool:
+        return False
+    if target.is_floating_point:
+        return True
+    if source.is_floating_point:
+        return False
+    if source == torch.bool:
+        return True
+    low, high = torch.iinfo(source), torch.iinfo(target)
+    return high.min <= low.min and low.max <= high.max
 
 
 def _tensor_arguments(call: OpCall) -> dict:
