@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -40,4 +41,6 @@ def test_decisions_do_not_depend_on_hash_seed():
     outputs = [proc.communicate(timeout=120)[0] for proc in procs]
     for rank, (proc, out) in enumerate(zip(procs, outputs)):
         assert proc.returncode == 0, f"rank {rank} failed:\n{out}"
-    assert "decisions agree" in outputs[0]
+    agreed = re.search(r"(\d+) decisions agree", outputs[0])
+    assert agreed is not None, outputs[0]
+    assert int(agreed.group(1)) >= 30, f"only {agreed.group(1)} decisions were compared"

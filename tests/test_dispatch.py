@@ -8,6 +8,7 @@ what plain torch gives on the logical tensors, which the driver computes from th
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
@@ -61,7 +62,7 @@ def _global_inputs(ranks, specs, seed):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Fallback ops: value and gradient
+# Ops on random layouts: value, gradient and the path each op took
 
 
 def op_matmul(a, b):
@@ -84,20 +85,33 @@ def op_mean_of_exp(a):
     return a.exp().mean(dim=-1, keepdim=True)
 
 
-OPS = {f.__name__: f for f in (op_matmul, op_sum, op_sum_dim, op_softmax, op_mean_of_exp)}
+def op_cumprod(a):
+    return a.cumprod(dim=0)  # no rule: the fallback, forward and backward
+
+
+OPS = {f.__name__: f for f in (op_matmul, op_sum, op_sum_dim, op_softmax, op_mean_of_exp, op_cumprod)}
+FALLBACK_OPS = {"op_cumprod"}
 
 
 def op_body(ranks, name, specs, seed):
     """Every rank: out = op(*globals); returns (out's sbp, full_tensor(out), gradients of this rank's parts of
-    sum(full_tensor(out) * W))."""
+    sum(full_tensor(out) * W), whether strict mode refused the op). The ops with rules run in strict mode, so a
+    fallback would raise; the fallback ops are first run in strict mode to show that they take the fallback."""
     p, leaves, globals_ = _global_inputs(ranks, specs, seed)
-    with warnings.catch_warnings():
+    refused = False
+    if name in FALLBACK_OPS:
+        try:
+            with st.strict():
+                OPS[name](*globals_)
+        except NotImplementedError:
+            refused = True
+    with contextlib.nullcontext() if name in FALLBACK_OPS else st.strict(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         out = OPS[name](*globals_)
         full = out.full_tensor()
         if p.coord_of(dist.get_rank()) is not None:
             (full * _weight(full.shape, seed)).sum().backward()
-    return out.sbp, full.detach(), [x.grad for x in leaves]
+    return out.sbp, full.detach(), [x.grad for x in leaves], refused
 
 
 def check_op(ranks, name, specs, seed=0):
@@ -107,9 +121,10 @@ def check_op(ranks, name, specs, seed=0):
     logical = [assemble(parts, p.shape, meta.sbp) for parts, (meta, _) in zip(leaves, inputs)]
     want = OPS[name](*logical)
     (want * _weight(want.shape, seed)).sum().backward()
-    for rank, (out_sbp, full, grads) in enumerate(results):
+    for rank, (out_sbp, full, grads, refused) in enumerate(results):
         coord = p.coord_of(rank)
         assert len(out_sbp) == p.ndim
+        assert refused == (name in FALLBACK_OPS), f"{name}: strict mode refused it: {refused}"
         if coord is None:
             assert full.numel() == 0
             continue
@@ -142,9 +157,10 @@ def op_cases(draw):
 
 @settings(max_examples=30)
 @given(op_cases())
-def test_fallback_ops_value_and_gradient(case):
+def test_ops_on_random_layouts_value_and_gradient(case):
     """matmul, sum, softmax, ... on random layouts (partial ones too, ranks outside the placement too) give
-    plain torch's logical value, and the gradients of the local parts match the single-process reference."""
+    plain torch's logical value through their rules (strict mode), ``cumprod`` through the fallback, and the
+    gradients of the local parts match the single-process reference."""
     check_op(*case)
 
 
@@ -158,10 +174,12 @@ def test_fallback_ops_value_and_gradient(case):
         ([[0, 1], [2, 3]], "op_sum_dim", [((3, 5), (partial_sum, split(1)))]),
         ([2, 0], "op_softmax", [((4, 5), split(1))]),
         ([0, 1, 2], "op_softmax", [((3, 4), partial_min)]),
+        ([0, 1, 2], "op_cumprod", [((5, 2), split(0))]),
+        ([[0, 1], [2, 3]], "op_cumprod", [((3, 4), (partial_sum, split(1)))]),
     ],
     ids=str,
 )
-def test_fallback_ops_fixed_cases(ranks, name, specs):
+def test_ops_on_random_layouts_fixed_cases(ranks, name, specs):
     """Fixed cases of the above, easy to reproduce."""
     check_op(ranks, name, specs, seed=5)
 
@@ -251,32 +269,44 @@ def inplace_body():
     h = st.tensor((a * 0.25).tolist(), placement=p, sbp=broadcast)
     out = {}
 
-    def run(name, sbp, op):
-        if isinstance(sbp, type(partial_sum)):  # rank r holds a + r
-            g = (a + rank).to_global(p, sbp)
+    def run(name, sbp, op, path="rule"):
+        """``op(g, h)`` through ``path``: a rule (strict mode, where a fallback would raise) or the fallback (which
+        strict mode must refuse first)."""
+
+        def fresh():
+            if isinstance(sbp, type(partial_sum)):  # rank r holds a + r
+                return (a + rank).to_global(p, sbp)
+            return st.tensor(a.tolist(), placement=p, sbp=sbp)
+
+        g = fresh()
+        if path == "fallback":
+            with st.strict(), pytest.raises(NotImplementedError, match="would run on gathered inputs"):
+                op(fresh(), h)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                result = op(g, h)
         else:
-            g = st.tensor(a.tolist(), placement=p, sbp=sbp)
-        result = op(g, h)
+            with st.strict():
+                result = op(g, h)
         out[name] = (result is g, g.sbp, g.to_local().clone(), g.full_tensor())
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        run("S0.add_(B)", split(0), lambda g, h: g.add_(h))
-        run("S1.sub_(P)", split(1), lambda g, h: g.sub_(h.to_global(sbp=partial_sum)))
-        run("B.mul_(S0)", broadcast, lambda g, h: g.mul_(h.to_global(sbp=split(0))))
-        run("P.mul_(2)", partial_sum, lambda g, h: g.mul_(2))
-        run("P.mul_(B)", partial_sum, lambda g, h: g.mul_(h))  # fallback: product of a partial
-        run("P.add_(1)", partial_sum, lambda g, h: g.add_(1))  # fallback: a number added to a partial
-        run("S1.clamp_", split(1), lambda g, h: g.clamp_(-3, 4))  # fallback: no rule for clamp_
-        run("Pmax.clamp_", partial_max, lambda g, h: g.clamp_(min=-2))
-        run("S0.exp_", split(0), lambda g, h: g.div_(10).exp_())
+    run("S0.add_(B)", split(0), lambda g, h: g.add_(h))
+    run("S1.sub_(P)", split(1), lambda g, h: g.sub_(h.to_global(sbp=partial_sum)))
+    run("B.mul_(S0)", broadcast, lambda g, h: g.mul_(h.to_global(sbp=split(0))))
+    run("P.mul_(2)", partial_sum, lambda g, h: g.mul_(2))
+    run("P.mul_(B)", partial_sum, lambda g, h: g.mul_(h))  # a partial sum scaled by a broadcast factor
+    run("P.add_(1)", partial_sum, lambda g, h: g.add_(1), "fallback")  # a number added to each part would count n times
+    run("S1.clamp_", split(1), lambda g, h: g.clamp_(-3, 4))
+    run("Pmax.clamp_", partial_max, lambda g, h: g.clamp_(min=-2))
+    run("S0.exp_", split(0), lambda g, h: g.div_(10).exp_())
+    run("S0.cumprod_", split(0), lambda g, h: g.div_(10).cumprod_(0), "fallback")  # no rule for cumprod_
     return out
 
 
 def test_inplace_ops_keep_self_layout():
-    """``add_``/``sub_``/``mul_`` (with a rule, other operand boxed to self's layout) and fallback in-place ops
-    (``mul_`` of a partial by a global tensor, ``clamp_``, ``exp_``) return self, keep self's SBP and local
-    region, and give the right value."""
+    """In-place ops with a rule (the other operand boxed to self's layout) and in-place ops that take the fallback
+    (a number added to a partial sum, ``cumprod_``) return self, keep self's SBP and local region, and give the
+    right value."""
     results = run_on_world(3, inplace_body)
     p = st.placement("cpu", [0, 1, 2])
     a = torch.arange(15.0).reshape(5, 3) - 7
@@ -291,6 +321,7 @@ def test_inplace_ops_keep_self_layout():
         "S1.clamp_": (a.clamp(-3, 4), split(1)),
         "Pmax.clamp_": (x_max.clamp(min=-2), partial_max),
         "S0.exp_": ((a / 10).exp(), split(0)),
+        "S0.cumprod_": ((a / 10).cumprod(0), split(0)),
     }
     for rank, got in enumerate(results):
         for name, (value, sbp) in want.items():

@@ -31,8 +31,9 @@ def main():
         loss.backward()
         optimizer.step()
     mine = [
-        f"{entry.func} -> {(entry.decision.signatures, entry.decision.input_sbps) if hasattr(entry, 'decision') else entry}"  # noqa: E501
+        f"{entry.func} -> {(entry.decision.signatures, entry.decision.input_sbps)}"
         for entry in CALLS.entries()
+        if hasattr(entry, "decision")
     ]
     everyone = [None, None]
     dist.all_gather_object(everyone, mine)
