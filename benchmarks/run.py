@@ -4,7 +4,7 @@
     python -m benchmarks.run --suite all                 # every suite, one after another
     python -m benchmarks.run --suite boxing --quick      # fewer sizes and repetitions (a smoke run)
 
-``pipeline_cuda`` needs a GPU (``all`` skips it elsewhere; ``scripts/gpu.sh`` runs it).
+``pipeline_cuda`` and ``gpt_cuda`` need a GPU (``all`` skips them elsewhere; ``scripts/gpu.sh`` runs them).
 
 Each suite runs once per world size it lists, as a ``torchrun`` launch of that many ranks on this machine
 (gloo on CPU; NCCL on CUDA when there are enough GPUs). Rank 0's rows go to ``docs/benchmarks/<suite>.json``;
@@ -24,7 +24,18 @@ import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(REPO, "docs", "benchmarks")
-SUITES = ["dispatch", "boxing", "optimizer", "train", "zoo", "compile", "pipeline", "checkpoint", "pipeline_cuda"]
+SUITES = [
+    "dispatch",
+    "boxing",
+    "optimizer",
+    "train",
+    "zoo",
+    "compile",
+    "pipeline",
+    "checkpoint",
+    "pipeline_cuda",
+    "gpt_cuda",
+]
 
 
 def _suite(name: str):

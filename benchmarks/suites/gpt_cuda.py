@@ -1,0 +1,157 @@
+"""A GPT-2 training step on one GPU: plain PyTorch, sbp_torch on a one-rank placement and DTensor on a one-device
+mesh, eager and compiled, with and without CUDA graphs.
+
+The model is an unmodified ``transformers`` GPT-2 (6 layers, hidden 768, 12 heads, sequence 512, its default ``sdpa``
+attention, dropout off) in float32, trained by AdamW (``foreach=True``, eager in every variant, so that the variants
+differ in the model's forward and backward only). sbp_torch lays the model out with ``Module.to_global`` on a
+one-rank placement and the batch ``split(0)``: the global program of data parallelism, on one rank. DTensor replicates
+every parameter (``distribute_module``) and shards the batch, the model running under ``implicit_replication`` (its
+forward builds plain tensors). Compiled means ``model.forward`` through ``torch.compile(backend="inductor",
+fullgraph=True, dynamic=False)``; with CUDA graphs, ``mode="reduce-overhead"``. Each variant's first three losses are
+compared with plain eager's; then steps are timed (CUDA synchronised before each clock read), median and quartiles.
+Each row is printed as it is measured, so that a run cut short still leaves what it had.
+
+Target (the GPU issue): sbp_torch compiled with CUDA graphs within 1.02x of plain compiled (with CUDA graphs).
+Without a GPU the suite runs a tiny GPT-2 on the CPU (a smoke run: its times say nothing).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+
+import torch
+import torch._dynamo
+
+from benchmarks import harness
+
+TITLE = "A GPT-2 training step on one GPU: plain, sbp_torch and DTensor, eager and compiled (with CUDA graphs)"
+WORLDS = [1]
+NEEDS_CUDA = True
+VARIANTS = [
+    ("plain", "eager"),
+    ("sbp_torch", "eager"),
+    ("DTensor", "eager"),
+    ("plain", "compiled"),
+    ("sbp_torch", "compiled"),
+    ("plain", "compiled + CUDA graphs"),
+    ("sbp_torch", "compiled + CUDA graphs"),
+]
+
+
+def _config(cuda: bool, quick: bool) -> dict:
+    if cuda and not quick:
+        return dict(layers=6, hidden=768, heads=12, seq=512, batch=8, vocab=50257, repeats=20)
+    if cuda:
+        return dict(layers=2, hidden=768, heads=12, seq=512, batch=8, vocab=50257, repeats=10)
+    return dict(layers=2, hidden=32, heads=4, seq=16, batch=4, vocab=64, repeats=3)
+
+
+def _model(c: dict, device: str):
+    import transformers as tf
+
+    config = tf.GPT2Config(
+        vocab_size=c["vocab"], n_positions=c["seq"], n_embd=c["hidden"], n_layer=c["layers"], n_head=c["heads"],
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = tf.GPT2LMHeadModel(config)
+    model.loss_type = "ForCausalLM"  # named: the default's warning is a call that a compiled forward cannot hold
+    return model.to(device).train()
+
+
+def _laid_out(library: str, model, device: str):
+    """(The model as ``library`` runs it, the function that lays out a batch, the context its steps run in.)"""
+    if library == "sbp_torch":
+        import sbp_torch as st
+        from sbp_torch.sbp import broadcast, split
+
+        placement = st.placement(device, [0])
+        model.to_global(placement)
+        return model, lambda ids: ids.to_global(placement, broadcast).to_global(sbp=split(0)), contextlib.nullcontext
+    if library == "DTensor":
+        from torch.distributed.tensor import DTensor, Shard, distribute_module, init_device_mesh
+        from torch.distributed.tensor.experimental import implicit_replication
+
+        mesh = init_device_mesh(device, (1,))
+        distribute_module(model, mesh)
+        return model, lambda ids: DTensor.from_local(ids, mesh, [Shard(0)]), implicit_replication
+    return model, lambda ids: ids, contextlib.nullcontext
+
+
+def _plain(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _measure_variant(library: str, how: str, c: dict, device: str, batches: list, sync) -> dict:
+    torch._dynamo.reset()
+    model, lay_out, context = _laid_out(library, _model(c, device), device)
+    if how != "eager":
+        mode = "reduce-overhead" if "CUDA graphs" in how else None
+        model.forward = torch.compile(model.forward, backend="inductor", fullgraph=True, dynamic=False, mode=mode)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    laid_out = [lay_out(ids) for ids in batches]
+
+    def step(ids):
+        with context():
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    start = time.perf_counter()
+    losses = [float(_plain(step(ids)).detach()) for ids in laid_out]  # the first includes compilation
+    first_s = time.perf_counter() - start
+    stat = harness.timed(lambda: step(laid_out[0]), repeats=c["repeats"], warmup=2, sync=sync)
+    return {"library": library, "how": how, "config": c, "first_steps_s": round(first_s, 2), "losses": losses, **stat}
+
+
+def measure(world: int, quick: bool) -> list[dict]:
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    c = _config(cuda, quick)
+    generator = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, c["vocab"], (c["batch"], c["seq"]), generator=generator).to(device) for _ in range(3)]
+    sync = torch.cuda.synchronize if cuda else None
+    rows, reference = [], None
+    for library, how in VARIANTS:
+        try:
+            row = _measure_variant(library, how, c, device, batches, sync)
+        except Exception as err:  # noqa: BLE001 - a variant that fails is reported, the others still run
+            row = {"library": library, "how": how, "config": c, "error": f"{type(err).__name__}: {err}"[:300]}
+        reference = reference or row.get("losses")
+        if "losses" in row:
+            row["max_loss_rel_diff"] = max(abs(a - b) / abs(b) for a, b in zip(row["losses"], reference))
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        torch._dynamo.reset()
+        if cuda:
+            torch.cuda.empty_cache()
+    return rows
+
+
+def report(rows: list[dict]) -> str:
+    by = {(r["library"], r["how"]): r for r in rows}
+    plain_eager = by.get(("plain", "eager"))
+    table = []
+    for library, how in VARIANTS:
+        r = by.get((library, how))
+        if r is None or "error" in r:
+            table.append([library, how, r["error"] if r else "not measured", "—", "—", "—", "—"])
+            continue
+        same_how = by.get(("plain", how))
+        table.append([
+            library, how, harness.fmt(r, "ms"), harness.ratio(r, same_how), harness.ratio(r, plain_eager),
+            f"{r['first_steps_s']:.1f} s", f"{r['max_loss_rel_diff']:.1e}",
+        ])  # fmt: skip
+    config = rows[0]["config"] if rows else {}
+    return "\n\n".join([
+        f"GPT-2: {config.get('layers')} layers, hidden {config.get('hidden')}, sequence {config.get('seq')}, batch "
+        f"{config.get('batch')}, float32, AdamW (foreach, eager). Step time: median (quartiles) of "
+        f"{config.get('repeats')} steps. `/ plain` divides by plain PyTorch compiled the same way.",
+        harness.markdown_table(
+            ["library", "how", "step", "/ plain, same way", "/ plain eager", "first 3 steps", "loss rel. diff"], table
+        ),
+    ])  # fmt: skip
