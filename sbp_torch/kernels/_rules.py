@@ -6,7 +6,7 @@ when ``sbp_torch.kernels`` is imported.
                                           function "random" draws this rank's region of the logical mask
     scale_mask_softmax(x, mask)           S(d) on every dim but the last (and, causal, but the query dim),
                                           the mask split along where it has that dim, else B
-    layer_norm / rms_norm(x, w[, b])      S(d)·B(·B) → S(d) for d < last
+    layer_norm / rms_norm(x, w[, b])      S(d)·B(·B) → S(d) for d < last (y and the statistics)
     cross_entropy(logits[N, C], target)   rows: S(0)·S(0) → loss S(0) (none) or P (sum, mean), lse S(0);
                                           vocabulary: S(1)·B → loss B, lse B, local function "ce": the local
                                           max and sum-exp are all-reduced as a max and a sum (the pick
@@ -14,7 +14,9 @@ when ``sbp_torch.kernels`` is imported.
     cross_entropy_backward                rows: S(0) everywhere (grad B unless none) → S(0); vocabulary:
                                           B·S(1)·B·B → S(1), local function "ce" (the one-hot part is local)
 
-Every op has B everywhere → B. The backward of the other ops is made of aten ops with their own rules.
+The other backward ops are in ``BACKWARD``: a row split of x splits what is laid out as x, takes the
+parameters broadcast and makes their gradients partial sums (each rank sums its rows); where the op allows
+a split of the features, the parameters and their gradients split with them. Every op has B everywhere → B.
 """
 
 import torch
@@ -91,6 +93,37 @@ def scale_mask_softmax(call: OpCall) -> list[Signature]:
 @register(ops.layer_norm, ops.rms_norm)
 def norms(call: OpCall) -> list[Signature]:
     return _feature_signatures(call, len(call.inputs) - 1, last=False)
+
+
+# Backward ops: per input and per output, "x" if laid out as x (gradients, saved activations, statistics) or
+# "p" if per feature (a parameter, or its gradient); and whether the features may be split.
+BACKWARD = {
+    ops.bias_gelu_backward: ("xxp", "xp", True),  # (grad, x, bias) -> (grad_x, grad_bias)
+    ops.bias_dropout_add_backward: ("xx", "xp", True),  # (grad, mask) -> (grad_x, grad_bias)
+    ops.scale_mask_softmax_backward: ("xx", "x", False),  # (grad, y) -> grad_x
+    ops.layer_norm_backward: ("xxpxx", "xpp", False),  # (grad, x, w, mean, rstd) -> (grad_x, grad_w, grad_b)
+    ops.rms_norm_backward: ("xxpx", "xp", False),  # (grad, x, w, rstd) -> (grad_x, grad_w)
+}
+
+
+def _backward_rule(inputs: str, outputs: str, feature_split: bool):
+    def rule(call: OpCall) -> list[Signature]:
+        def signature(x, param_in, param_out):
+            return Signature(
+                tuple(x if c == "x" else param_in for c in inputs), tuple(x if c == "x" else param_out for c in outputs)
+            )
+
+        last = call.inputs[0].ndim - 1  # input 0 is the gradient, shaped like x
+        signatures = [signature(S(d), B, P) for d in range(last)]
+        if feature_split:
+            signatures.append(signature(S(last), S(0), S(0)))
+        return signatures + [signature(B, B, B)]
+
+    return rule
+
+
+for _op, _layout in BACKWARD.items():
+    register(_op)(_backward_rule(*_layout))
 
 
 # ---------------------------------------------------------------------------------------------------------
