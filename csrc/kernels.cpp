@@ -51,6 +51,7 @@ int sm_count() {
 void check_rows(const char* op, const Tensor& x, std::initializer_list<const Tensor*> others,
                 std::initializer_list<const Tensor*> params = {}) {
   TORCH_CHECK(x.is_cuda() && x.dim() >= 1, op, ": expected a CUDA tensor with at least one dim");
+  TORCH_CHECK(x.size(-1) < (int64_t{1} << 31), op, ": rows of 2^31 or more elements are not supported");
   for (const Tensor* t : others)
     TORCH_CHECK(t->scalar_type() == x.scalar_type() && t->device() == x.device(), op,
                 ": every tensor must have x's dtype and device");

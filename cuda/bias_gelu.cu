@@ -17,10 +17,11 @@ constexpr float kSqrt2OverPi = 0.7978845608028654f, kCubic = 0.044715f;
 template <bool kTanh, bool kGrad>
 __device__ __forceinline__ float gelu(float z) {
   if (kTanh) {
-    // 0.5 z (1 + tanh(u)) = z * sigmoid(2u), u = sqrt(2/pi) (z + 0.044715 z^3); exp overflows to inf
-    // for very negative z, giving sigmoid 0 (not NaN)
+    // 0.5 z (1 + tanh(u)) = z * sigmoid(2u), u = sqrt(2/pi) (z + 0.044715 z^3): one exp and one approximate
+    // reciprocal (two MUFU operations). For very negative z the exp is huge or inf and the fast division
+    // gives sigmoid 0 (not NaN)
     const float u = kSqrt2OverPi * (z + kCubic * z * z * z);
-    const float s = __frcp_rn(1.f + __expf(-2.f * u));
+    const float s = __fdividef(1.f, 1.f + __expf(-2.f * u));
     if (!kGrad) return z * s;
     return s + z * s * (1.f - s) * 2.f * kSqrt2OverPi * (1.f + 3.f * kCubic * z * z);
   }

@@ -145,9 +145,9 @@ struct RowPlan {
   int rows_per_block() const { return warp ? threads / 32 : 1; }
 };
 
-inline int pow2_at_least(int64_t v) {
+inline int pow2_at_least(int64_t v) {  // capped at 2^30: only ever compared with or clamped to far less
   int p = 1;
-  while (p < v) p <<= 1;
+  while (p < v && p < (1 << 30)) p <<= 1;
   return p;
 }
 
@@ -267,7 +267,6 @@ inline int max_partial_rows(int64_t rows, int sm_count) {
   const int64_t p = by_rows < by_device ? by_rows : by_device;
   return (int)(p < 1 ? 1 : p);
 }
-
 
 // Grid and shared memory of a column-reducing row kernel: `nacc` float sums per column, per warp (warp rows)
 // or per block; no more blocks than fit at once, than `partial_rows`, or than there are row groups.
