@@ -140,6 +140,7 @@ def test_forward_and_backward(kernels, shape, dtype, misaligned):
         ((3, 1000), (3, 1000), False),
         ((2, 2, 6, 6), (6, 1), False),  # broadcast along the keys: the glue copies it
     ],
+    ids=["padding", "causal", "mask_and_causal", "heads", "full", "key_broadcast"],
 )
 def test_softmax_masks(kernels, shape, mask_shape, causal, dtype):
     mask = None
@@ -164,7 +165,9 @@ def test_softmax_fully_excluded_row_is_nan(kernels):
 
 
 @pytest.mark.parametrize("dtype", list(TOL), ids=lambda d: str(d).removeprefix("torch."))
-@pytest.mark.parametrize("shape", [(1, 1), (3, 7), (17, 1000), (64, 4099), (2, 20000), (8, 4096)])
+@pytest.mark.parametrize(
+    "shape", [(1, 1), (3, 7), (17, 1000), (64, 4099), (2, 20000), (8, 4096)], ids=lambda s: "x".join(map(str, s))
+)
 @pytest.mark.parametrize("misaligned", [False, True], ids=["aligned", "misaligned"])
 def test_dropout_is_the_philox_rule(kernels, shape, dtype, misaligned):
     """The CUDA mask equals sbp_torch/_layout/_philox.py's rule at the generator's offset (compared as torch
