@@ -10,7 +10,7 @@
 #
 # Environment: PY (python; default .venv/bin/python if present, else python3), OUT_DIR (default
 # gpu_out/kernels), MAX_JOBS (parallel compile jobs, default 16), TORCH_CUDA_ARCH_LIST (default 9.0),
-# BENCH_BUDGET (seconds after which the benchmark skips compile and Liger variants, default 100).
+# BENCH_BUDGET (seconds after which the benchmark skips compile and Liger variants, default 90).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 if [ -z "${PY:-}" ]; then
@@ -75,7 +75,7 @@ for s in $steps; do
           echo "Liger-Kernel install failed: see liger_install.log" | tee -a "$OUT/steps.txt"
       fi
       step bench 500 env PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" \
-        $PY -m benchmarks.kernels.bench --out "$OUT" --budget "${BENCH_BUDGET:-100}"
+        $PY -m benchmarks.kernels.bench --out "$OUT" --budget "${BENCH_BUDGET:-90}"
       ;;
     *) echo "unknown step $s (build, tests, sanitizer, bench)"; exit 2 ;;
   esac
