@@ -8,6 +8,8 @@
 
 namespace sbp_kernels {
 
+constexpr int kBlock = 256;  // threads per block (one block per row)
+
 template <typename T>
 __global__ void ce_forward_kernel(const T* logits, const int64_t* target, float* row_max, float* row_sum_exp,
                                   float* row_picked, int64_t classes, int64_t first_class) {

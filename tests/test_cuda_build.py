@@ -41,3 +41,12 @@ def test_without_a_cuda_torch_the_kernels_cannot_be_built_and_say_why():
     assert not _extension.can_build()
     with pytest.raises(ImportError, match="needs a CUDA build of torch"):
         _extension.load("_kernels_cuda")
+
+
+def test_the_extension_is_built_from_every_source():
+    """setup.py and the just-in-time build compile _extension.SOURCES: a new .cu file must be listed there."""
+    from sbp_torch.kernels import _extension
+
+    root = CUDA_DIR.parent
+    on_disk = {str(p.relative_to(root)) for p in [*CUDA_DIR.glob("*.cu"), *(root / "csrc").glob("*.cpp")]}
+    assert on_disk == set(_extension.SOURCES["_kernels_cuda"])

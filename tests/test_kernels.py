@@ -139,6 +139,58 @@ def test_bias_dropout_add_mask_is_the_random_rule():
     _compare(lambda x, b, r: K.bias_dropout_add(x, b, r, 0.3), lambda x, b, r: (x + b) * keep / 0.7 + r, [x, b, r])
 
 
+ops = torch.ops.sbp_torch
+
+
+def _layer_norm_backward(g, x, w, b):
+    _, mean, rstd = ops.layer_norm(x, w, b, 1e-5)
+    return ops.layer_norm_backward(g, x, w, mean, rstd)
+
+
+def _rms_norm_backward(g, x, w):
+    return ops.rms_norm_backward(g, x, w, ops.rms_norm(x, w, 1e-6)[1])
+
+
+KEEP = torch.rand(3, 5, 7, generator=GEN) < 0.6
+
+# backward op (output gradient first, then the forward's inputs) -> its unfused forward, differentiated by autograd
+BACKWARD_CASES = {
+    "bias_gelu": (
+        lambda g, x, b: ops.bias_gelu_backward(g, x, b, "tanh"),
+        lambda x, b: F.gelu(x + b, approximate="tanh"),
+    ),
+    "bias_gelu_1d": (lambda g, x, b: ops.bias_gelu_backward(g, x, b, "none"), lambda x, b: F.gelu(x + b)),
+    "bias_dropout_add": (
+        lambda g, x, b: ops.bias_dropout_add_backward(g, KEEP, 1 / 0.6),
+        lambda x, b: (x + b) * KEEP / 0.6,
+    ),
+    "softmax": (
+        lambda g, x: ops.scale_mask_softmax_backward(g, _softmax_unfused(x, None, 0.7, True), 0.7),
+        lambda x: _softmax_unfused(x, None, 0.7, True),
+    ),
+    "layer_norm": (_layer_norm_backward, lambda x, w, b: F.layer_norm(x, (7,), w, b)),
+    "rms_norm": (_rms_norm_backward, _rms),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BACKWARD_CASES))
+def test_backward_ops_equal_autograd_of_unfused(name):
+    """Each backward op's reference gives autograd's gradients of the unfused expression, float64."""
+    backward, unfused = BACKWARD_CASES[name]
+    x = _randn(7) if name.endswith("_1d") else _randn(3, 5, 7)
+    params = [_randn(7) for _ in range({"softmax": 0, "layer_norm": 2}.get(name, 1))]
+    inputs = [x] + params
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    out = unfused(*leaves)
+    g = torch.randn(out.shape, generator=GEN, dtype=out.dtype)
+    want = torch.autograd.grad(out, leaves, g)
+    got = backward(g, *inputs)
+    got = (got,) if isinstance(got, torch.Tensor) else got
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
 def test_refusals():
     with pytest.raises(ValueError, match="1-D parameter"):
         K.bias_gelu(_randn(3, 4), _randn(3))
@@ -213,6 +265,22 @@ def _dropout_case(p, sbps, expect):
     torch.testing.assert_close(got.full_tensor(), want)
 
 
+GRAD3 = _randn(5, 4, 7)
+_, MEAN3, RSTD3 = ops.layer_norm(X3, BIAS, BIAS * 0.5, 1e-5)
+RMS_RSTD3 = ops.rms_norm(X3, BIAS, 1e-6)[1]
+MASK3 = torch.rand(5, 4, 7, generator=GEN) < 0.6
+
+# backward ops called on global tensors: (op, inputs, their sbps, the outputs' sbps): a row split makes the
+# parameters' gradients partial sums; a feature split splits them
+BACKWARD_GLOBAL_CASES = [
+    (ops.layer_norm_backward, [GRAD3, X3, BIAS, MEAN3, RSTD3], [S(1), S(1), B, S(1), S(1)], (S(1), P, P)),
+    (ops.rms_norm_backward, [GRAD3, X3, BIAS, RMS_RSTD3], [S(0), S(0), B, S(0)], (S(0), P)),
+    (lambda g, x, b: ops.bias_gelu_backward(g, x, b, "tanh"), [GRAD3, X3, BIAS], [S(2), S(2), S(0)], (S(2), S(0))),
+    (lambda g, m: ops.bias_dropout_add_backward(g, m, 2.0), [GRAD3, MASK3], [S(0), S(0)], (S(0), P)),
+    (lambda g, y: ops.scale_mask_softmax_backward(g, y, 0.5), [GRAD3, X3.softmax(-1)], [S(1), S(1)], (S(1),)),
+]
+
+
 def kernels_on_world(n):
     p = st.placement("cpu", list(range(n)))
     for i, (fn, inputs, sbps, expect) in enumerate(GLOBAL_CASES):
@@ -220,6 +288,9 @@ def kernels_on_world(n):
             check_op(fn, inputs, p, [(s,) for s in sbps], expect_sbp=(expect,), atol=1e-9, rtol=1e-7)
         except Exception as err:
             raise AssertionError(f"case {i}: {err}") from err
+    for i, (fn, inputs, sbps, expect) in enumerate(BACKWARD_GLOBAL_CASES):
+        got = check_op(fn, inputs, p, [(s,) for s in sbps], backward=False, atol=1e-9, rtol=1e-7)
+        assert tuple(s for (s,) in got) == expect, f"backward case {i}: {got}"
     for sbps, expect in [([S(0), B, S(0)], S(0)), ([S(2), S(0), S(2)], S(2)), ([B, B, B], B)]:
         _dropout_case(p, sbps, expect)
     check_op(_seeded_dropout, [X3, BIAS, X3 * 2], p, [(S(1),), (B,), (S(1),)], expect_sbp=(S(1),))

@@ -1,6 +1,7 @@
 """``bias_dropout_add(x, bias, residual, p)``: ``dropout(x + bias, p) + residual`` as one op.
 
-The op returns ``(out, mask)``; the mask is kept for the backward. Element ``i`` is kept when the ``i``-th
+The op returns ``(out, mask)``; the mask is kept for the backward, ``bias_dropout_add_backward(grad, mask,
+scale) -> (grad_x, grad_bias)`` (the residual's gradient is ``grad`` itself). Element ``i`` is kept when the ``i``-th
 uniform draw of a fresh random tensor of the logical shape is ``< 1 - p`` (``sbp_torch/_layout/_random.py``,
 docs/randomness.md), so the logical result does not depend on how the tensor is split.
 """
@@ -8,7 +9,7 @@ docs/randomness.md), so the logical result does not depend on how the tensor is 
 import torch
 
 from .._layout import random_region
-from ._library import check_last_dim_param, leading_dims
+from ._library import check_last_dim_param, sum_rows
 
 
 def draw_keep(shape, dtype, device, p: float) -> torch.Tensor:
@@ -16,9 +17,12 @@ def draw_keep(shape, dtype, device, p: float) -> torch.Tensor:
     return random_region("uniform", tuple(shape), dtype, (0,) * len(shape), tuple(shape), device) < 1.0 - p
 
 
+def keep_scale(p: float) -> float:
+    return 0.0 if p >= 1.0 else 1.0 / (1.0 - p)
+
+
 def apply_mask(x, bias, residual, keep, p: float) -> torch.Tensor:
-    scale = 0.0 if p >= 1.0 else 1.0 / (1.0 - p)
-    return (x + bias) * keep * scale + residual
+    return (x + bias) * keep * keep_scale(p) + residual
 
 
 def draws(p: float, training: bool) -> bool:
@@ -35,23 +39,35 @@ def bias_dropout_add_op(
     return apply_mask(x, bias, residual, keep, p), keep
 
 
+@torch.library.custom_op("sbp_torch::bias_dropout_add_backward", mutates_args=())
+def bias_dropout_add_backward_op(
+    grad: torch.Tensor, mask: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    grad_x = grad * mask * scale
+    return grad_x, sum_rows(grad_x)
+
+
 @bias_dropout_add_op.register_fake
 def _(x, bias, residual, p, training):
     return torch.empty_like(x), torch.empty_like(x, dtype=torch.bool)
 
 
+@bias_dropout_add_backward_op.register_fake
+def _(grad, mask, scale):
+    return torch.empty_like(grad), grad.new_empty(grad.shape[-1:])
+
+
 def _setup(ctx, inputs, output):
     x, _, _, p, training = inputs
     ctx.save_for_backward(output[1])
-    ctx.scale = (0.0 if p >= 1.0 else 1.0 / (1.0 - p)) if draws(p, training) else 1.0
-    ctx.x_dims = leading_dims(x)
+    ctx.scale = keep_scale(p) if draws(p, training) else 1.0
     ctx.mark_non_differentiable(output[1])
 
 
 def _backward(ctx, grad, _grad_mask):
     (keep,) = ctx.saved_tensors
-    grad_x = grad * keep * ctx.scale
-    return grad_x, grad_x.sum(ctx.x_dims), grad, None, None
+    grad_x, grad_bias = bias_dropout_add_backward_op(grad, keep, ctx.scale)
+    return grad_x, grad_bias, grad, None, None
 
 
 bias_dropout_add_op.register_autograd(_backward, setup_context=_setup)

@@ -15,6 +15,7 @@ SOURCES = {
         "csrc/kernels.cpp",
         "cuda/bias_dropout_add.cu",
         "cuda/bias_gelu.cu",
+        "cuda/column_sums.cu",
         "cuda/cross_entropy.cu",
         "cuda/norms.cu",
         "cuda/softmax.cu",

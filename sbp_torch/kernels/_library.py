@@ -1,4 +1,7 @@
-"""The ``sbp_torch`` custom-op namespace and the reduction enum the ops share."""
+"""The ``sbp_torch`` custom-op namespace and what the ops share: the reduction enum, parameter checks, the sum
+over rows that a per-feature parameter's gradient is."""
+
+import torch
 
 NAMESPACE = "sbp_torch"
 REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}  # torch's own reduction enum
@@ -10,6 +13,17 @@ def check_last_dim_param(name: str, x, param) -> None:
         raise ValueError(f"{name}: expected a 1-D parameter of size {x.shape[-1]}, got shape {tuple(param.shape)}")
 
 
-def leading_dims(x) -> list[int]:
-    """The dims a per-feature parameter's gradient is summed over."""
-    return list(range(x.dim() - 1))
+def sum_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t[..., H]`` summed over every dim but the last: a per-feature parameter's gradient (``[H]``, also for
+    1-D ``t``, where ``t.sum([])`` would sum everything)."""
+    return t.reshape(-1, t.shape[-1]).sum(0)
+
+
+def stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype statistics of a ``dtype`` tensor are computed and kept in: float32 for 16-bit floats."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def float_work(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in its statistics' dtype."""
+    return t.to(stats_dtype(t.dtype))

@@ -6,7 +6,7 @@ when ``sbp_torch.kernels`` is imported.
                                           function "random" draws this rank's region of the logical mask
     scale_mask_softmax(x, mask)           S(d) on every dim but the last (and, causal, but the query dim),
                                           the mask split along where it has that dim, else B
-    layer_norm / rms_norm(x, w[, b])      S(d)·B(·B) → S(d) for d < last
+    layer_norm / rms_norm(x, w[, b])      S(d)·B(·B) → S(d) for d < last (y and the statistics)
     cross_entropy(logits[N, C], target)   rows: S(0)·S(0) → loss S(0) (none) or P (sum, mean), lse S(0);
                                           vocabulary: S(1)·B → loss B, lse B, local function "ce": the local
                                           max and sum-exp are all-reduced as a max and a sum (the pick
@@ -14,7 +14,9 @@ when ``sbp_torch.kernels`` is imported.
     cross_entropy_backward                rows: S(0) everywhere (grad B unless none) → S(0); vocabulary:
                                           B·S(1)·B·B → S(1), local function "ce" (the one-hot part is local)
 
-Every op has B everywhere → B. The backward of the other ops is made of aten ops with their own rules.
+The other backward ops are in ``BACKWARD``: a row split of x splits what is laid out as x, takes the
+parameters broadcast and makes their gradients partial sums (each rank sums its rows); where the op allows
+a split of the features, the parameters and their gradients split with them. Every op has B everywhere → B.
 """
 
 import torch
@@ -88,6 +90,36 @@ def scale_mask_softmax(call: OpCall) -> list[Signature]:
 @register(ops.layer_norm, ops.rms_norm)
 def norms(call: OpCall) -> list[Signature]:
     return _feature_signatures(call, tuple(n for n in ("weight", "bias") if n in call.arguments), last=False)
+
+
+# Backward ops: (the arguments laid out as x: gradients, saved activations, statistics; the per-feature ones;
+# per output, "x" if laid out as x or "p" if per feature: a parameter's gradient; whether the features may split).
+BACKWARD = {
+    ops.bias_gelu_backward: (("grad", "x"), ("bias",), "xp", True),  # -> (grad_x, grad_bias)
+    ops.bias_dropout_add_backward: (("grad", "mask"), (), "xp", True),  # -> (grad_x, grad_bias)
+    ops.scale_mask_softmax_backward: (("grad", "y"), (), "x", False),  # -> grad_x
+    ops.layer_norm_backward: (("grad", "x", "mean", "rstd"), ("weight",), "xpp", False),  # -> grad_x, _w, _b
+    ops.rms_norm_backward: (("grad", "x", "rstd"), ("weight",), "xp", False),  # -> (grad_x, grad_w)
+}
+
+
+def _backward_rule(like_x: tuple[str, ...], params: tuple[str, ...], outputs: str, feature_split: bool):
+    def rule(call: OpCall) -> list[Signature]:
+        def signature(x, param_in, param_out):
+            inputs = {**dict.fromkeys(like_x, x), **dict.fromkeys(params, param_in)}
+            return Signature(tuple(inputs.items()), tuple(x if c == "x" else param_out for c in outputs))
+
+        last = call["grad"].ndim - 1
+        signatures = [signature(S(d), B, P) for d in range(last)]
+        if feature_split:
+            signatures.append(signature(S(last), S(0), S(0)))
+        return signatures
+
+    return rule
+
+
+for _op, _layout in BACKWARD.items():
+    register(_op)(_backward_rule(*_layout))
 
 
 # ---------------------------------------------------------------------------------------------------------

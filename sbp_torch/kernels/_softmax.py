@@ -1,4 +1,5 @@
-"""``scale_mask_softmax(x, mask, scale, causal)``: a masked, optionally causal softmax of ``x * scale`` as one op."""
+"""``scale_mask_softmax(x, mask, scale, causal)``: a masked, optionally causal softmax of ``x * scale`` as one op;
+its backward ``scale_mask_softmax_backward(grad, y, scale)`` needs only the output ``y``."""
 
 import torch
 
@@ -19,9 +20,19 @@ def scale_mask_softmax_op(x: torch.Tensor, mask: torch.Tensor | None, scale: flo
     return torch.softmax(scores, -1)
 
 
+@torch.library.custom_op("sbp_torch::scale_mask_softmax_backward", mutates_args=())
+def scale_mask_softmax_backward_op(grad: torch.Tensor, y: torch.Tensor, scale: float) -> torch.Tensor:
+    return scale * y * (grad - (grad * y).sum(-1, keepdim=True))
+
+
 @scale_mask_softmax_op.register_fake
 def _(x, mask, scale, causal):
     return torch.empty_like(x)
+
+
+@scale_mask_softmax_backward_op.register_fake
+def _(grad, y, scale):
+    return torch.empty_like(y)
 
 
 def _setup(ctx, inputs, output):
@@ -31,7 +42,7 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, grad):
     (y,) = ctx.saved_tensors
-    return ctx.scale * y * (grad - (grad * y).sum(-1, keepdim=True)), None, None, None
+    return scale_mask_softmax_backward_op(grad, y, ctx.scale), None, None, None
 
 
 scale_mask_softmax_op.register_autograd(_backward, setup_context=_setup)
