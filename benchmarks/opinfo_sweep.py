@@ -16,6 +16,11 @@ the sbp_torch collectives they ran. A collective timeout (``--timeout``) or rank
 writes what it has, the entry is recorded as "timeout" or "diverged", and ``--resume`` goes on after it in fresh
 processes. The JSON is rewritten before each entry, so a crash leaves a resumable file too (the entry in flight
 is recorded as a timeout on resume).
+
+``--history`` runs each sample right after a variant of it in the same world: the same tensors and layouts with every
+float argument changed (0 to 1.5, any other value to 0), itself checked against one process. A decision cached for
+the variant's call must not be replayed for the sample's, whose numbers it may not fit; the entry's record counts
+the variants checked (``history_samples``) and a variant's wrong values fail the entry as the sample's would.
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ def parse_args():
     parser.add_argument("--timeout", type=float, default=20.0, help="collective timeout in seconds")
     parser.add_argument("--resume", action="store_true", help="keep the entries already in --out, go on after them")
     parser.add_argument("--compile", default=None, help="run each global call through torch.compile (a backend)")
+    parser.add_argument("--history", action="store_true", help="run each sample after a variant with other floats")
     return parser.parse_args()
 
 
@@ -164,12 +170,70 @@ class FallbackRecorder:
         self._warned.clear()
 
 
+def other_floats(sample):
+    """The sample with every float argument (not its tensors) changed: 0 to 1.5, any other value to 0; None if it
+    has none."""
+    from torch.testing._internal.opinfo.core import SampleInput
+
+    changed = []
+
+    def change(value):
+        if isinstance(value, float):
+            changed.append(value)
+            return 1.5 if value == 0 else 0.0
+        if isinstance(value, (list, tuple)):
+            return type(value)(change(v) for v in value)
+        if isinstance(value, dict):
+            return {k: change(v) for k, v in value.items()}
+        return value
+
+    args, kwargs = change(list(sample.args)), change(dict(sample.kwargs))
+    return SampleInput(sample.input, args=tuple(args), kwargs=kwargs) if changed else None
+
+
+def check_sample(check, agree: Agreement, record: dict, where: str, counter: str = "samples") -> dict | None:
+    """Check one sample (forward, and backward where it applies); a failed record, or None (``record`` counted)."""
+    kind, value = agree(guarded(check.reference))  # plain tensors; agreed anyway, to be safe
+    if kind != "ok":
+        return {"skip": f"{where}: the plain op raises {value}"}
+    needs_backward = value and check.op.supports_autograd
+    kind, value = agree(guarded(check.forward))
+    if kind == "fail" and check.draws_random:
+        kind = "random"
+    if kind != "ok":
+        return {**record, **_failed(kind, "forward", where, value)}
+    record[counter] += 1
+    if not needs_backward:
+        return None
+    ref_grads = check.reference_grads()  # plain tensors only: the same on every rank
+    if ref_grads is None:
+        return None
+    kind, value = agree(guarded(lambda: check.backward(ref_grads)))
+    if kind == "fail" and check.draws_random:
+        kind = "random"
+    if kind != "ok":
+        return {**record, **_failed(kind, "backward", where, value)}
+    if counter == "samples":
+        record["backward_samples"] += 1
+    return None
+
+
 def check_entry(
-    op, backend, mesh_ndim: int, k: int, agree: Agreement, fallback: FallbackRecorder | None, compile_backend=None
+    op,
+    backend,
+    mesh_ndim: int,
+    k: int,
+    agree: Agreement,
+    fallback: FallbackRecorder | None,
+    compile_backend=None,
+    history: bool = False,
 ) -> dict:
-    """Run up to ``k`` samples of one op_db entry; the record for the JSON (same on every rank)."""
+    """Run up to ``k`` samples of one op_db entry (each after a variant with other floats, with ``history``); the
+    record for the JSON (same on every rank)."""
     name = entry_name(op)
     record = {"family": family(op), "status": "pass", "detail": "", "samples": 0, "backward_samples": 0}
+    if history:
+        record["history_samples"] = 0
     if fallback is not None:
         fallback.clear()
     if torch.float32 not in op.supported_dtypes("cpu"):
@@ -195,30 +259,23 @@ def check_entry(
         )
         where = f"sample {i} {check.describe_layouts()}"
         reason = check.skip_reason()
-        if reason is None:
-            kind, value = agree(guarded(check.reference))  # plain tensors; agreed anyway, to be safe
-            reason = None if kind == "ok" else f"the plain op raises {value}"
         if reason:
             skips.append(f"{where}: {reason}")
             continue
-        needs_backward = value and op.supports_autograd
-        kind, value = agree(guarded(check.forward))
-        if kind == "fail" and check.draws_random:
-            kind = "random"
-        if kind != "ok":
-            return {**record, **_failed(kind, "forward", where, value)}
-        record["samples"] += 1
-        if not needs_backward:
-            continue
-        ref_grads = check.reference_grads()  # plain tensors only: the same on every rank
-        if ref_grads is None:
-            continue
-        kind, value = agree(guarded(lambda: check.backward(ref_grads)))
-        if kind == "fail" and check.draws_random:
-            kind = "random"
-        if kind != "ok":
-            return {**record, **_failed(kind, "backward", where, value)}
-        record["backward_samples"] += 1
+        variant = other_floats(sample) if history else None
+        if variant is not None:  # the same layouts: the variant's calls have the sample's keys where floats are
+            earlier = SampleCheck(
+                op, variant, backend, mesh_ndim, stable_seed(name, i), tol, values_defined, compile_backend, i
+            )
+            failed = check_sample(earlier, agree, record, f"{where} (its variant)", "history_samples")
+            if failed is not None and "skip" not in failed:
+                return failed
+        failed = check_sample(check, agree, record, where)
+        if failed is not None:
+            if "skip" in failed:
+                skips.append(failed["skip"])
+                continue
+            return failed
     if not record["samples"]:
         return {**record, "status": "skipped", "detail": f"no sample applies: {skips[0]}"}
     return record
@@ -330,6 +387,7 @@ def main() -> int:
     meta.update(
         backend=args.backend,
         compile=args.compile,
+        history=args.history,
         mesh=args.mesh,
         world_size=dist.get_world_size(),
         torch=torch.__version__,
@@ -347,7 +405,7 @@ def main() -> int:
         meta.update(in_flight=name, elapsed_s=round(elapsed + time.monotonic() - start, 1))
         write(args.out, results)
         t0 = time.monotonic()
-        record = check_entry(op, backend, len(mesh_shape), args.k, agree, fallback, args.compile)
+        record = check_entry(op, backend, len(mesh_shape), args.k, agree, fallback, args.compile, args.history)
         if fallback is not None:
             record["fallback"] = sorted(fallback.ops)
         record["seconds"] = round(time.monotonic() - t0, 2)
