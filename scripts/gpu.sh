@@ -1,53 +1,102 @@
 #!/usr/bin/env bash
-# One go on a GPU machine with no network: install in place (building the CUDA extensions), run the GPU tests
-# and time. Parts: `pipeline` (stream scheduler tests, CUDA pipelines against one process, the pipeline_cuda
-# benchmark) and `kernels` (benchmarks/kernels/run_gpu.sh); default both. Logs and results go to
-# ${OUT_DIR:-gpu_out}/, the benchmark tables also into docs/benchmarks/.
+# One go on a GPU machine with no network: build the fused kernels' CUDA extension (just in time, ninja), run the GPU
+# tests and time, in the order below, each stage with its own time limit and all of them within DEADLINE seconds of
+# the start (a stage that would start with under 30 s left is skipped). Every stage runs even when an earlier one
+# failed. Logs, results and a summary go to ${OUT_DIR:-gpu_out}: summary.txt (each stage's exit status and seconds),
+# logs.tgz (every log, and the benchmark tables as written into docs/benchmarks/ there), and the result files
+# (kernels.json, gpt_cuda.json) beside them.
 #
-#   scripts/gpu.sh                  # everything
-#   scripts/gpu.sh pipeline         # one part
+#   scripts/gpu.sh                                  # every stage
+#   scripts/gpu.sh kernel_tests model_tests         # some stages, in the order given
+#   DEADLINE=400 scripts/gpu.sh                     # a shorter run
+#
+# Stages:
+#   build          the kernels' extension (sbp_torch/kernels/_extension.py), cached for the later stages
+#   kernel_tests   tests/test_kernels_gpu.py: every fused forward and backward against float64
+#   model_tests    tests/test_models_gpu.py: transformers models with sdpa attention laid out on the GPU
+#   kernel_bench   benchmarks/kernels/bench.py: against eager, torch.compile and Liger-Kernel (from .whl/)
+#   gpt_cuda       the benchmark suite gpt_cuda (--quick unless GPT_FULL=1): a GPT-2 step, eager, compiled, CUDA graphs
+#   memcheck       compute-sanitizer memcheck over a few kernel tests
+#   racecheck      compute-sanitizer racecheck over the kernels that share memory
+#   pipeline       tests/test_pipeline_cuda.py and the pipeline_cuda benchmark
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
 OUT=${OUT_DIR:-gpu_out}
-mkdir -p "$OUT"
-parts=${*:-pipeline kernels}
+DEADLINE=${DEADLINE:-540}
+LOGS=$OUT/logs
+mkdir -p "$LOGS"
+export MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} PYTHONUNBUFFERED=1
+stages=${*:-build kernel_tests model_tests kernel_bench gpt_cuda memcheck}
+begin=$(date +%s)
 status=0
 
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/device.txt"
-$PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/device.txt"
-# editable install with the fused kernels' CUDA extension (setup.py); needs no network
-$PY -m pip install -q --no-build-isolation --no-deps -e . >"$OUT/install.txt" 2>&1 || { cat "$OUT/install.txt"; exit 1; }
+# stage NAME LIMIT COMMAND...: COMMAND with a time limit (cut to what DEADLINE leaves), its output in logs/NAME.log
+stage() {
+  local name=$1 limit=$2 left start rc
+  shift 2
+  left=$((DEADLINE - ($(date +%s) - begin)))
+  if [ "$left" -lt 30 ]; then
+    echo "$name: skipped, ${left} s left" | tee -a "$OUT/summary.txt"
+    status=1
+    return
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  start=$(date +%s)
+  timeout --kill-after=5 "$limit" "$@" >"$LOGS/$name.log" 2>&1
+  rc=$?
+  echo "$name: exit $rc after $(($(date +%s) - start)) s (limit $limit s)" | tee -a "$OUT/summary.txt"
+  tail -4 "$LOGS/$name.log"
+  [ $rc -eq 0 ] || status=1
+}
 
-for part in $parts; do
-  case $part in
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  $PY -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)"
+  $PY -c "import transformers; print('transformers', transformers.__version__)"
+  command -v nvcc ninja compute-sanitizer
+} >"$LOGS/device.txt" 2>&1
+cat "$LOGS/device.txt" | tee "$OUT/summary.txt"
+
+# The memcheck cases: warp rows, block rows, the one-element path, streaming rows, masks and dropout, backward included.
+MEMCHECK="test_forward_and_backward and (3x7-float32-misaligned or 48x256-bfloat16-aligned or 2x20000-float32-aligned)"
+RACECHECK="test_forward_and_backward and (48x256-bfloat16-aligned or 5x8192-float16-aligned)"
+KERNELS="import sbp_torch.kernels as K; K.enable_cuda_kernels(verbose=True); print('built')"
+
+for s in $stages; do
+  case $s in
+    build) stage build 240 $PY -c "$KERNELS" ;;
+    kernel_tests) stage kernel_tests 180 $PY -m pytest -q -p no:cacheprovider -rfE --maxfail=40 tests/test_kernels_gpu.py ;;
+    model_tests) stage model_tests 240 $PY -m pytest -q -p no:cacheprovider -rfE tests/test_models_gpu.py ;;
+    kernel_bench)
+      site=$(mktemp -d)
+      $PY -m pip install -q --no-deps --no-index --target "$site" .whl/*.whl >"$LOGS/liger_install.log" 2>&1 ||
+        echo "Liger-Kernel install failed: see logs/liger_install.log" | tee -a "$OUT/summary.txt"
+      stage kernel_bench 240 env PYTHONPATH="$site" $PY -m benchmarks.kernels.bench --out "$OUT" \
+        --budget "${BENCH_BUDGET:-60}"
+      ;;
+    gpt_cuda)
+      quick=--quick
+      [ "${GPT_FULL:-0}" = 1 ] && quick=
+      stage gpt_cuda 300 $PY -m benchmarks.run --suite gpt_cuda $quick
+      cp docs/benchmarks/gpt_cuda.json "$OUT/" 2>/dev/null
+      ;;
+    memcheck)
+      stage memcheck 120 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 \
+        $PY -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py -k "$MEMCHECK"
+      ;;
+    racecheck)
+      stage racecheck 120 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool racecheck --error-exitcode 1 \
+        $PY -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py -k "$RACECHECK"
+      ;;
     pipeline)
-      $PY -m pytest -q tests/test_pipeline_cuda.py 2>&1 | tee "$OUT/pipeline_tests.txt" || status=1
-      if command -v compute-sanitizer >/dev/null; then  # the stream scheduler's copies and orders, in one process
-        compute-sanitizer --tool memcheck $PY -m pytest -q tests/test_pipeline_cuda.py \
-          -k "staged_copy or arriving or refused" 2>&1 | tail -3 | tee "$OUT/pipeline_sanitizer.txt" || status=1
-      fi
-      $PY -m benchmarks.run --suite pipeline_cuda 2>&1 | tail -3 || status=1
-      # two ranks share one GPU: measured again with MPS, whose clients run kernels side by side as on two GPUs
-      if command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d; then
-        cp docs/benchmarks/pipeline_cuda.json "$OUT/pipeline_cuda_no_mps.json"
-        $PY -m benchmarks.run --suite pipeline_cuda 2>&1 | tail -3 || status=1
-        echo quit | nvidia-cuda-mps-control
-        $PY - "$OUT/pipeline_cuda_no_mps.json" <<'PY'
-import json, sys
-path = "docs/benchmarks/pipeline_cuda.json"
-doc = json.load(open(path))
-doc["rows"] = json.load(open(sys.argv[1]))["rows"] + doc["rows"]
-json.dump(doc, open(path, "w"), indent=1)
-PY
-        $PY -m benchmarks.run --suite pipeline_cuda --render
-      fi
-      cp docs/benchmarks/pipeline_cuda.md docs/benchmarks/pipeline_cuda.json "$OUT/" || status=1
+      stage pipeline_tests 150 $PY -m pytest -q -p no:cacheprovider tests/test_pipeline_cuda.py
+      stage pipeline_bench 200 $PY -m benchmarks.run --suite pipeline_cuda
       ;;
-    kernels)
-      PY=$PY OUT_DIR="$OUT/kernels" bash benchmarks/kernels/run_gpu.sh || status=1
-      ;;
-    *) echo "unknown part $part (pipeline, kernels)"; exit 2 ;;
+    *) echo "unknown stage $s"; exit 2 ;;
   esac
 done
+echo "total: $(($(date +%s) - begin)) s" | tee -a "$OUT/summary.txt"
+cp docs/benchmarks/kernels.* docs/benchmarks/gpt_cuda.* docs/benchmarks/pipeline_cuda.* "$LOGS/" 2>/dev/null
+tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -r "$LOGS"
 exit $status
