@@ -72,7 +72,13 @@ cudaError_t allow_large_smem(const void* kernel) {
   if (err != cudaSuccess) return err;
   std::lock_guard<std::mutex> guard(lock);
   if (done.count({kernel, device})) return cudaSuccess;
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin);
+  // The opt-in limit covers static and dynamic shared memory together: asking for all of it as dynamic memory of a
+  // kernel that has static shared memory (its block-reduction scratch) is an invalid value.
+  cudaFuncAttributes attributes;
+  err = cudaFuncGetAttributes(&attributes, kernel);
+  if (err != cudaSuccess) return err;
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             optin - (int)attributes.sharedSizeBytes);
   if (err == cudaSuccess) done[{kernel, device}] = true;
   return err;
 }
