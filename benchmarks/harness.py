@@ -47,14 +47,18 @@ def timed(fn, repeats: int = 50, warmup: int = 5, sync=None) -> dict:
     return summary(slowest.tolist())
 
 
-def timed_local(fn, repeats: int = 200, warmup: int = 10) -> dict:
+def timed_local(fn, repeats: int = 200, warmup: int = 10, sync=None) -> dict:
     """Like ``timed`` but for work with no collective inside: no barrier per run, this rank's clock only."""
     for _ in range(warmup):
         fn()
     samples = []
     for _ in range(repeats):
+        if sync:
+            sync()
         start = time.perf_counter_ns()
         fn()
+        if sync:
+            sync()
         samples.append((time.perf_counter_ns() - start) / 1e3)
     return summary(samples)
 

@@ -104,7 +104,7 @@ def _measure_variant(library: str, how: str, c: dict, device: str, batches: list
     start = time.perf_counter()
     losses = [float(_plain(step(ids)).detach()) for ids in laid_out]  # the first includes compilation
     first_s = time.perf_counter() - start
-    stat = harness.timed(lambda: step(laid_out[0]), repeats=c["repeats"], warmup=2, sync=sync)
+    stat = harness.timed_local(lambda: step(laid_out[0]), repeats=c["repeats"], warmup=2, sync=sync)  # one rank
     return {"library": library, "how": how, "config": c, "first_steps_s": round(first_s, 2), "losses": losses, **stat}
 
 
