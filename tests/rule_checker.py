@@ -574,7 +574,8 @@ def _main() -> None:
     parser.add_argument("--per-op", type=int, default=3)
     args = parser.parse_args()
     start = time.perf_counter()
-    calls = sample_calls(args.per_op, names=set(args.ops) if args.ops else None) + attention_calls() + other_calls()
+    calls = sample_calls(args.per_op, names=set(args.ops) if args.ops else None)
+    calls += attention_calls() + other_calls() + kernel_calls()
     sampled = time.perf_counter()
     report = check_rules(calls)
     checked = time.perf_counter()
@@ -658,6 +659,43 @@ def other_calls() -> list[SampleCall]:
         SampleCall(aten._foreach_neg.default, ([a],), {}),
         SampleCall(aten._foreach_mul.Tensor, ([a], torch.tensor(3.0, dtype=torch.float64)), {}),
     ]
+
+
+def kernel_calls() -> list[SampleCall]:
+    """Calls of sbp_torch's fused ops (``sbp_torch.kernels``) and their backward ops, run by their CPU references
+    (bias_dropout_add draws random numbers: checked in tests/test_kernels.py)."""
+    import sbp_torch.kernels  # noqa: F401  (registers the ops and their rules)
+
+    ops = torch.ops.sbp_torch
+    g = torch.Generator().manual_seed(3)
+    x, h = torch.randn(5, 3, 6, generator=g, dtype=torch.float64), torch.randn(6, generator=g, dtype=torch.float64)
+    grad, mask = torch.randn(5, 3, 6, generator=g, dtype=torch.float64), torch.rand(3, 6, generator=g) < 0.3
+    logits, target = torch.randn(7, 9, generator=g, dtype=torch.float64), torch.randint(0, 9, (7,), generator=g)
+    y = torch.softmax(x, -1)
+    _, mean, rstd = ops.layer_norm(x, h, h, 1e-5)
+    _, rms = ops.rms_norm(x, h, 1e-6)
+    lse = logits.logsumexp(-1)
+    calls = [
+        SampleCall(ops.bias_gelu.default, (x, h, "tanh"), {}),
+        SampleCall(ops.bias_gelu_backward.default, (grad, x, h, "tanh"), {}),
+        SampleCall(ops.scale_mask_softmax.default, (x, mask, 0.5, False), {}),
+        SampleCall(ops.scale_mask_softmax.default, (x[:, :, :3], None, 1.0, True), {}),
+        SampleCall(ops.scale_mask_softmax_backward.default, (grad, y, 0.5), {}),
+        SampleCall(ops.layer_norm.default, (x, h, h, 1e-5), {}),
+        SampleCall(ops.layer_norm_backward.default, (grad, x, h, mean, rstd), {}),
+        SampleCall(ops.rms_norm.default, (x, h, 1e-6), {}),
+        SampleCall(ops.rms_norm_backward.default, (grad, x, h, rms), {}),
+        SampleCall(ops.bias_dropout_add_backward.default, (grad, mask.expand(5, 3, 6).contiguous(), 2.0), {}),
+    ]
+    for reduction in (0, 1, 2):
+        weight = (
+            torch.randn(7, generator=g, dtype=torch.float64) if reduction == 0 else torch.tensor(0.7, dtype=x.dtype)
+        )
+        calls += [
+            SampleCall(ops.cross_entropy.default, (logits, target, -100, reduction), {}),
+            SampleCall(ops.cross_entropy_backward.default, (weight, logits, target, lse, -100, reduction), {}),
+        ]
+    return calls
 
 
 if __name__ == "__main__":

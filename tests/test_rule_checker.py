@@ -33,8 +33,7 @@ UNSAMPLED = {
     "fill_random": "random draws: tests/test_random_ops.py",
     "native_dropout": "random draws: tests/test_random_ops.py",
     "gradient_boundary": "sbp_torch's own op inside compiled programs: tests/test_compile.py",
-    "group_norm": "OpInfo's group_norm samples decompose before reaching the op: tests/test_normalization.py",
-    "group_norm_backward": "as group_norm: tests/test_normalization.py",
+    "bias_dropout_add": "sbp_torch.kernels' random dropout: tests/test_kernels.py",
 }
 
 
@@ -42,19 +41,20 @@ UNSAMPLED = {
 def calls():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return rc.sample_calls(per_op=2, samples_per_opinfo=2) + rc.attention_calls() + rc.other_calls()
+        calls = rc.sample_calls(per_op=2, samples_per_opinfo=2)
+    return calls + rc.attention_calls() + rc.other_calls() + rc.kernel_calls()
+
+
+def _name(rule) -> str:
+    return rule.signatures.__name__
 
 
 def test_every_signature_of_every_rule_gives_the_plain_result(calls):
     report = rc.check_rules(calls)
     assert not report.findings, "\n".join(map(str, report.findings[:20]))
     assert report.checked > 5000, report.checked  # the sample did not shrink unnoticed
-    ruled = {rule.signatures.__name__ for rule in RULES.values()} | {
-        rule.signatures.__name__ for _, rule in _FAMILY_RULES
-    }
-    fused = {name for name in ruled if name in ("bias_gelu", "bias_dropout_add", "scale_mask_softmax", "norms")}
-    fused |= {"cross_entropy", "cross_entropy_backward"} & ruled  # sbp_torch.kernels, checked in tests/test_kernels.py
-    assert ruled - report.rules - set(UNSAMPLED) - fused == set()
+    ruled = {_name(rule) for rule in RULES.values()} | {_name(rule) for _, rule in _FAMILY_RULES}
+    assert ruled - report.rules == set(UNSAMPLED), "rules no sample call reaches"
 
 
 def _with_rule(func, **changes):

@@ -140,7 +140,7 @@ def pad_history_body(values: list[float], grad: bool) -> list:
         padded = torch.nn.functional.pad(x, (1, 1), value=value)
         if grad:
             padded.sum().backward()
-        out.append((padded.sbp, padded.full_tensor(), None if x.grad is None else x.grad.full_tensor()))
+        out.append((padded.sbp, padded.full_tensor().detach(), None if x.grad is None else x.grad.full_tensor()))
         x.grad = None
     return out
 

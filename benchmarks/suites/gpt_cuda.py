@@ -1,18 +1,23 @@
-"""A GPT-2 training step on one GPU: plain PyTorch, sbp_torch on a one-rank placement and DTensor on a one-device
-mesh, eager and compiled, with and without CUDA graphs.
+"""GPT training steps on one GPU: plain PyTorch, sbp_torch on a one-rank placement and DTensor on a one-device mesh,
+eager and compiled, with and without CUDA graphs.
 
-The model is an unmodified ``transformers`` GPT-2 (6 layers, hidden 768, 12 heads, sequence 512, its default ``sdpa``
-attention, dropout off) in float32, trained by AdamW (``foreach=True``, eager in every variant, so that the variants
-differ in the model's forward and backward only). sbp_torch lays the model out with ``Module.to_global`` on a
-one-rank placement and the batch ``split(0)``: the global program of data parallelism, on one rank. DTensor replicates
-every parameter (``distribute_module``) and shards the batch, the model running under ``implicit_replication`` (its
-forward builds plain tensors). Compiled means ``model.forward`` through ``torch.compile(backend="inductor",
-fullgraph=True, dynamic=False)``; with CUDA graphs, ``mode="reduce-overhead"``. Each variant's first three losses are
-compared with plain eager's; then steps are timed (CUDA synchronised before each clock read), median and quartiles.
-Each row is printed as it is measured, so that a run cut short still leaves what it had.
+Two models, in float32, each trained by AdamW (``foreach=True``, eager in every variant, so that the variants differ in
+the model's forward and backward only), at hidden 768, 12 heads, sequence 512, batch 8, vocabulary 50257, 6 layers
+(2 with ``--quick``):
 
-Target (the GPU issue): sbp_torch compiled with CUDA graphs within 1.02x of plain compiled (with CUDA graphs).
-Without a GPU the suite runs a tiny GPT-2 on the CPU (a smoke run: its times say nothing).
+* the GPT example (``examples/gpt.py``, its sizes set to these): plain PyTorch modules, attention written out;
+* an unmodified ``transformers`` GPT-2 with its default ``sdpa`` attention (CUDA's fused kernel), dropout off.
+
+sbp_torch lays the model out with ``Module.to_global`` on a one-rank placement and the batch ``split(0)``: the global
+program of data parallelism, on one rank. DTensor replicates every parameter (``distribute_module``) and shards the
+batch, the model running under ``implicit_replication`` (GPT-2's forward builds plain tensors). Compiled means
+``model.forward`` through ``torch.compile(backend="inductor", fullgraph=True, dynamic=False)``; with CUDA graphs,
+``mode="reduce-overhead"``. Each variant's first three losses are compared with plain eager's; then steps are timed
+(CUDA synchronised before each clock read), median and quartiles. Each row is printed as it is measured, so that a run
+cut short still leaves what it had; a variant that fails is reported in its row.
+
+Target (the GPU issue): sbp_torch compiled with CUDA graphs within 1.02x of plain compiled with CUDA graphs.
+Without a GPU the suite runs tiny models on the CPU (a smoke run: its times say nothing).
 """
 
 from __future__ import annotations
@@ -26,9 +31,10 @@ import torch._dynamo
 
 from benchmarks import harness
 
-TITLE = "A GPT-2 training step on one GPU: plain, sbp_torch and DTensor, eager and compiled (with CUDA graphs)"
+TITLE = "GPT training steps on one GPU: plain, sbp_torch and DTensor, eager and compiled (with CUDA graphs)"
 WORLDS = [1]
 NEEDS_CUDA = True
+MODELS = ["GPT example", "transformers GPT-2"]
 VARIANTS = [
     ("plain", "eager"),
     ("sbp_torch", "eager"),
@@ -48,17 +54,31 @@ def _config(cuda: bool, quick: bool) -> dict:
     return dict(layers=2, hidden=32, heads=4, seq=16, batch=4, vocab=64, repeats=3)
 
 
-def _model(c: dict, device: str):
+def _gpt2(c: dict):
     import transformers as tf
 
     config = tf.GPT2Config(
         vocab_size=c["vocab"], n_positions=c["seq"], n_embd=c["hidden"], n_layer=c["layers"], n_head=c["heads"],
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa",
     )  # fmt: skip
-    torch.manual_seed(0)
     model = tf.GPT2LMHeadModel(config)
     model.loss_type = "ForCausalLM"  # named: the default's warning is a call that a compiled forward cannot hold
-    return model.to(device).train()
+    return model, lambda model, ids: model(input_ids=ids, labels=ids).loss
+
+
+def _example(c: dict):
+    from benchmarks.suites.optimizer import load_gpt_example
+
+    gpt = load_gpt_example()  # a fresh module: its sizes are module constants, set here before building
+    gpt.VOCAB, gpt.CONTEXT, gpt.WIDTH, gpt.HEADS = c["vocab"], c["seq"], c["hidden"], c["heads"]
+    return gpt.GPT(c["layers"]), lambda model, ids: model(ids, ids)
+
+
+def _model(name: str, c: dict, device: str):
+    """(The model, on ``device`` with the same weights every time, and its loss of a batch of token ids.)"""
+    torch.manual_seed(0)
+    model, loss = (_example if name == "GPT example" else _gpt2)(c)
+    return model.to(device).train(), loss
 
 
 def _laid_out(library: str, model, device: str):
@@ -84,9 +104,10 @@ def _plain(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def _measure_variant(library: str, how: str, c: dict, device: str, batches: list, sync) -> dict:
+def _measure_variant(name: str, library: str, how: str, c: dict, device: str, batches: list, sync) -> dict:
     torch._dynamo.reset()
-    model, lay_out, context = _laid_out(library, _model(c, device), device)
+    model, loss_of = _model(name, c, device)
+    model, lay_out, context = _laid_out(library, model, device)
     if how != "eager":
         mode = "reduce-overhead" if "CUDA graphs" in how else None
         model.forward = torch.compile(model.forward, backend="inductor", fullgraph=True, dynamic=False, mode=mode)
@@ -95,7 +116,7 @@ def _measure_variant(library: str, how: str, c: dict, device: str, batches: list
 
     def step(ids):
         with context():
-            loss = model(input_ids=ids, labels=ids).loss
+            loss = loss_of(model, ids)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -105,7 +126,7 @@ def _measure_variant(library: str, how: str, c: dict, device: str, batches: list
     losses = [float(_plain(step(ids)).detach()) for ids in laid_out]  # the first includes compilation
     first_s = time.perf_counter() - start
     stat = harness.timed_local(lambda: step(laid_out[0]), repeats=c["repeats"], warmup=2, sync=sync)  # one rank
-    return {"library": library, "how": how, "config": c, "first_steps_s": round(first_s, 2), "losses": losses, **stat}
+    return {"first_steps_s": round(first_s, 2), "losses": losses, **stat}
 
 
 def measure(world: int, quick: bool) -> list[dict]:
@@ -115,43 +136,49 @@ def measure(world: int, quick: bool) -> list[dict]:
     generator = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, c["vocab"], (c["batch"], c["seq"]), generator=generator).to(device) for _ in range(3)]
     sync = torch.cuda.synchronize if cuda else None
-    rows, reference = [], None
-    for library, how in VARIANTS:
-        try:
-            row = _measure_variant(library, how, c, device, batches, sync)
-        except Exception as err:  # noqa: BLE001 - a variant that fails is reported, the others still run
-            row = {"library": library, "how": how, "config": c, "error": f"{type(err).__name__}: {err}"[:300]}
-        reference = reference or row.get("losses")
-        if "losses" in row:
-            row["max_loss_rel_diff"] = max(abs(a - b) / abs(b) for a, b in zip(row["losses"], reference))
-        print(json.dumps(row), flush=True)
-        rows.append(row)
-        torch._dynamo.reset()
-        if cuda:
-            torch.cuda.empty_cache()
+    rows = []
+    for name in MODELS:
+        reference = None
+        for library, how in VARIANTS:
+            row = {"model": name, "library": library, "how": how, "config": c}
+            try:
+                row.update(_measure_variant(name, library, how, c, device, batches, sync))
+            except Exception as err:  # noqa: BLE001 - a variant that fails is reported, the others still run
+                row["error"] = f"{type(err).__name__}: {err}"[:300]
+            reference = reference or row.get("losses")
+            if "losses" in row:
+                row["max_loss_rel_diff"] = max(abs(a - b) / abs(b) for a, b in zip(row["losses"], reference))
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            torch._dynamo.reset()
+            if cuda:
+                torch.cuda.empty_cache()
     return rows
 
 
 def report(rows: list[dict]) -> str:
-    by = {(r["library"], r["how"]): r for r in rows}
-    plain_eager = by.get(("plain", "eager"))
-    table = []
-    for library, how in VARIANTS:
-        r = by.get((library, how))
-        if r is None or "error" in r:
-            table.append([library, how, r["error"] if r else "not measured", "—", "—", "—", "—"])
-            continue
-        same_how = by.get(("plain", how))
-        table.append([
-            library, how, harness.fmt(r, "ms"), harness.ratio(r, same_how), harness.ratio(r, plain_eager),
-            f"{r['first_steps_s']:.1f} s", f"{r['max_loss_rel_diff']:.1e}",
-        ])  # fmt: skip
     config = rows[0]["config"] if rows else {}
-    return "\n\n".join([
-        f"GPT-2: {config.get('layers')} layers, hidden {config.get('hidden')}, sequence {config.get('seq')}, batch "
-        f"{config.get('batch')}, float32, AdamW (foreach, eager). Step time: median (quartiles) of "
-        f"{config.get('repeats')} steps. `/ plain` divides by plain PyTorch compiled the same way.",
-        harness.markdown_table(
-            ["library", "how", "step", "/ plain, same way", "/ plain eager", "first 3 steps", "loss rel. diff"], table
-        ),
-    ])  # fmt: skip
+    parts = [
+        f"{config.get('layers')} layers, hidden {config.get('hidden')}, sequence {config.get('seq')}, batch "
+        f"{config.get('batch')}, vocabulary {config.get('vocab')}, float32, AdamW (foreach, eager). Step time: median "
+        f"(quartiles) of {config.get('repeats')} steps. `/ plain, same way` divides by plain PyTorch run the same way "
+        "(eager, compiled, or compiled with CUDA graphs)."
+    ]
+    for name in MODELS:
+        by = {(r["library"], r["how"]): r for r in rows if r.get("model", MODELS[-1]) == name}
+        if not by:
+            continue
+        table = []
+        for library, how in VARIANTS:
+            r = by.get((library, how))
+            if r is None or "error" in r:
+                table.append([library, how, r["error"] if r else "not measured", "—", "—", "—", "—"])
+                continue
+            table.append([
+                library, how, harness.fmt(r, "ms"), harness.ratio(r, by.get(("plain", how))),
+                harness.ratio(r, by.get(("plain", "eager"))), f"{r['first_steps_s']:.1f} s",
+                f"{r['max_loss_rel_diff']:.1e}",
+            ])  # fmt: skip
+        header = ["library", "how", "step", "/ plain, same way", "/ plain eager", "first 3 steps", "loss rel. diff"]
+        parts += [f"### {name}", harness.markdown_table(header, table)]
+    return "\n\n".join(parts)
