@@ -2,7 +2,7 @@
 poisoned by a NaN fill before the kernels write them, fp32/fp16/bf16, odd sizes (rows not a multiple of the
 16-byte vector, 1 x 1 up to 2 x 20000), misaligned starts (views one element into a buffer), broadcast and
 causal softmax masks, the dropout mask against the Philox rule. Skips without a GPU (and without nvcc to JIT
-the extension). Run by benchmarks/kernels/run_gpu.sh."""
+the extension). Run by scripts/gpu.sh (stages kernel_tests, memcheck, racecheck)."""
 
 from __future__ import annotations
 

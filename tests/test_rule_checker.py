@@ -19,7 +19,7 @@ from hypothesis import strategies as st_
 import sbp_torch as st
 from sbp_torch._dispatch._bound import BoundCall, call_key
 from sbp_torch._dispatch._decide import NoSignature, decide
-from sbp_torch._layout import GlobalMeta, Partial, Split, broadcast, check_partial_dtype
+from sbp_torch._layout import GlobalMeta, Partial, Split, broadcast
 from sbp_torch._signatures import RULES, UndeclaredArgument, rule_for, sig
 from sbp_torch._signatures.core import _FAMILY_RULES, B, P, S
 from sbp_torch._tensor import GlobalTensor
@@ -139,17 +139,6 @@ def _value(kind: type):
     return st_.sampled_from([0.0, 1.0, -2.5, 0.5, math.inf, -math.inf, 1e-3])
 
 
-def _layouts(t: torch.Tensor) -> list:
-    kinds = [Split(d) for d in range(t.dim())] + [broadcast]
-    for p in (P, Partial("max")):
-        try:
-            check_partial_dtype(p, t.dtype)
-            kinds.append(p)
-        except TypeError:
-            pass
-    return kinds
-
-
 @pytest.fixture(scope="module")
 def scalar_calls(calls):
     return [c for c in calls if _numbers(c) and not c.shapes_only] + [
@@ -185,7 +174,8 @@ def test_one_key_never_maps_to_two_decisions(scalar_calls, data):
     p = st.placement("cpu", data.draw(st_.sampled_from([[0, 1], [[0, 1], [2, 3]]])))
     slots = rc.tensor_slots(call)
     layouts = {
-        s: tuple(data.draw(st_.sampled_from(_layouts(rc._tensor_at(call, s)))) for _ in range(p.ndim)) for s in slots
+        s: tuple(data.draw(st_.sampled_from(rc._candidates(rc._tensor_at(call, s)))) for _ in range(p.ndim))
+        for s in slots
     }
     if any(len({x.op for x in sbp if isinstance(x, Partial)}) > 1 for sbp in layouts.values()):
         return
