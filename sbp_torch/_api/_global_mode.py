@@ -16,9 +16,9 @@ import os
 import sys
 
 import torch
-from torch.compiler import is_compiling
 from torch.overrides import TorchFunctionMode
 
+from .._comm import compiling
 from .._layout import Placement, Split, broadcast
 from .._tensor import GlobalTensor
 from ._factories import _from_value, _random, _size
@@ -43,7 +43,7 @@ class GlobalMode(TorchFunctionMode):
             or "out" in kwargs
             or (func in _LIKE and isinstance(args[0], GlobalTensor))  # a global tensor's own op
             or not self._builds_here(kwargs.get("device"))
-            or (not is_compiling() and _called_by_sbp_torch())
+            or (not compiling() and _called_by_sbp_torch())
         ):
             return func(*args, **kwargs)
         return build(self, func, args, dict(kwargs))  # (a copy: building edits it)
@@ -64,7 +64,7 @@ def _value(mode: GlobalMode, func, args, kwargs):
     requires_grad = kwargs.pop("requires_grad", False)
     kwargs["device"] = mode.placement.device()
     value = func(*args, **kwargs)
-    if not is_compiling():
+    if not compiling():
         return _from_value(value, mode.placement, mode.sbp_for(value.dim()), requires_grad)
     if requires_grad:
         raise NotImplementedError(
@@ -76,7 +76,7 @@ def _value(mode: GlobalMode, func, args, kwargs):
 
 def _random_factory(kind: str):
     def build(mode: GlobalMode, func, args, kwargs):
-        if is_compiling():
+        if compiling():
             # The generator's position advances in Python: a traced program would draw the same values each call.
             raise NotImplementedError(
                 f"{func.__name__} under global mode inside a compiled program: sbp_torch's layout-independent "
