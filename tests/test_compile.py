@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st_
 
 import sbp_torch as st
+from sbp_torch._api import _global_mode
 from sbp_torch.sbp import broadcast as B
 from sbp_torch.sbp import partial_max as PMAX
 from sbp_torch.sbp import partial_sum as P
@@ -325,6 +326,8 @@ def _factories_and_an_unused_output(ranks):
         loss.backward()
         torch.testing.assert_close(loss.full_tensor(), program(full)[0])
         torch.testing.assert_close(x.grad.full_tensor(), want.grad)
+    if _global_mode._FACTORIES_BYPASS_MODES_UNDER_DYNAMO:
+        return  # torch 2.11's Dynamo does not send randn to the mode: its plain value is taken as a factory's
     with st.global_mode(p), pytest.raises(Exception, match="randn under global mode inside a compiled program"):
         compiled(lambda x: x * torch.randn(5))(x)
 

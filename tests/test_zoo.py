@@ -89,7 +89,9 @@ def _gpt2_compiled(how: str) -> tuple:
             n_layer=2, n_embd=32, n_head=4, vocab_size=zoo_models.VOCAB, n_positions=16, resid_pdrop=0.0,
             embd_pdrop=0.0, attn_pdrop=0.0,
         )  # fmt: skip
-        return tf.GPT2LMHeadModel(config)
+        model = tf.GPT2LMHeadModel(config)
+        model.loss_type = "ForCausalLM"  # (unset, transformers logs a warning, which torch 2.11's Dynamo cannot trace)
+        return model
 
     model = zoo_models.ZooModel("gpt2", make, zoo_models._tokens, (), ())
     steps = zoo_models.batches(model, 2, DTYPE)

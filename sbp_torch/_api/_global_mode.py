@@ -17,6 +17,7 @@ import sys
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
 
 from .._comm import compiling
 from .._layout import Placement, Split, broadcast
@@ -38,6 +39,8 @@ class GlobalMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         build = FACTORIES.get(func)
+        if build is None and _FACTORIES_BYPASS_MODES_UNDER_DYNAMO and compiling():
+            args, kwargs = self._factory_values_as_global(args, kwargs)
         if (
             build is None
             or "out" in kwargs
@@ -47,6 +50,23 @@ class GlobalMode(TorchFunctionMode):
         ):
             return func(*args, **kwargs)
         return build(self, func, args, dict(kwargs))  # (a copy: building edits it)
+
+    def _factory_values_as_global(self, args, kwargs):
+        """Dynamo of torch 2.11 records ``arange``, ``eye``, ``linspace``, ``tensor`` and other factories without
+        calling the torch function modes, so their values reach the program plain. Where a plain tensor meets a
+        global tensor, it is taken as the mode would have built it: the same value on every rank, of which each
+        keeps its region. (Placements are not compared here: 2.11's Dynamo cannot trace reading one; an op on two
+        placements refuses itself.)"""
+        leaves = pytree.tree_leaves((args, kwargs))
+        if not any(isinstance(a, GlobalTensor) for a in leaves):
+            return args, kwargs
+
+        def as_global(t: torch.Tensor) -> torch.Tensor:
+            if isinstance(t, GlobalTensor) or t.dim() == 0:
+                return t
+            return from_replica(t, self.placement, self.sbp_for(t.dim()))
+
+        return pytree.tree_map_only(torch.Tensor, as_global, (args, kwargs))
 
     def _builds_here(self, device) -> bool:
         return device is None or torch.device(device).type == self.placement.type
@@ -125,6 +145,9 @@ def _holds_tensors(data) -> bool:
         return True
     return isinstance(data, (list, tuple)) and any(_holds_tensors(d) for d in data)
 
+
+# (torch 2.13's Dynamo sends every factory to the modes; 2.11's only ones, zeros, empty, full and some _like forms)
+_FACTORIES_BYPASS_MODES_UNDER_DYNAMO = tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13)
 
 _LIKE = {torch.zeros_like, torch.ones_like, torch.full_like, torch.empty_like, torch.rand_like, torch.randn_like}
 _FROM_DATA = {torch.tensor, torch.as_tensor}
