@@ -74,3 +74,40 @@ def _check(what: str, want_losses: list, want_grads: dict, results: dict) -> Non
             scale = max(want.abs().max().item(), 1e-3 * largest)
             error = (grads[param] - want).abs().max().item()
             assert error <= 1e-4 * scale, f"{what} {layout} {param}: gradient off by {error:.2e} (scale {scale:.2e})"
+
+
+def _gpt2_compiled(how: str) -> tuple:
+    """GPT-2 in data parallelism on 2 ranks, compiled as ``torch.compile(model)`` or by its forward. Its forward
+    builds its position ids with ``torch.arange`` under global mode, which must give a global tensor inside the
+    compiled program on every supported torch (on torch 2.11 it stayed plain, and ``embedding`` refused it)."""
+    import transformers as tf
+
+    from sbp_torch.sbp import split
+
+    def make():
+        config = tf.GPT2Config(
+            n_layer=2, n_embd=32, n_head=4, vocab_size=zoo_models.VOCAB, n_positions=16, resid_pdrop=0.0,
+            embd_pdrop=0.0, attn_pdrop=0.0,
+        )  # fmt: skip
+        model = tf.GPT2LMHeadModel(config)
+        model.loss_type = "ForCausalLM"  # (unset, transformers logs a warning, which torch 2.11's Dynamo cannot trace)
+        return model
+
+    model = zoo_models.ZooModel("gpt2", make, zoo_models._tokens, (), ())
+    steps = zoo_models.batches(model, 2, DTYPE)
+    reference = zoo_models.train(zoo_models.make(model, DTYPE), steps)
+    torch._dynamo.reset()
+    dp = zoo_models.Layout("dp", [0, 1], lambda m: None, (split(0),))
+    laid_out, lay_out_batch = zoo_models.lay_out(model, dp, DTYPE)
+    if how == "module":
+        laid_out = torch.compile(laid_out, backend="aot_eager", fullgraph=True)
+    else:
+        laid_out.forward = torch.compile(laid_out.forward, backend="aot_eager", fullgraph=True)
+    losses, grads = zoo_models.train(laid_out, steps, lay_out_batch)
+    return reference, {how: (losses, {k.removeprefix("_orig_mod."): g for k, g in grads.items()})}
+
+
+@pytest.mark.parametrize("how", ["module", "forward"])
+def test_gpt2_compiled_builds_its_positions_as_global_tensors(how):
+    for rank, ((want_losses, want_grads), got) in enumerate(run_on_world(2, _gpt2_compiled, how, _timeout=300)):
+        _check(f"gpt2 compiled ({how}) on rank {rank}", want_losses, want_grads, got)

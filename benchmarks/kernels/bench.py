@@ -1,7 +1,8 @@
 """Time each fused kernel, forward and forward + backward, against the unfused eager expression, torch.compile
 of it, and Liger-Kernel's Triton kernel where Liger has one; report the median and the 10th-90th percentile
 of per-call times, the bandwidth the bytes each call must move imply, and its fraction of the device-to-device
-copy bandwidth measured in the same run. GPU only; run by scripts/gpu.sh (stage kernel_bench, which puts Liger on the path).
+copy bandwidth measured in the same run. GPU only; run by scripts/gpu.sh (stage kernel_bench, which puts Liger
+on the path).
 
     python -m benchmarks.kernels.bench --out DIR             # measure: DIR/kernels.{json,md} and docs/benchmarks/
     python -m benchmarks.kernels.bench --report FILE.json    # docs/benchmarks/kernels.md from a measurement

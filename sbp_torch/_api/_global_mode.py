@@ -16,9 +16,10 @@ import os
 import sys
 
 import torch
-from torch.compiler import is_compiling
 from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
 
+from .._comm import compiling
 from .._layout import Placement, Split, broadcast
 from .._tensor import GlobalTensor
 from ._factories import _from_value, _random, _size
@@ -38,15 +39,34 @@ class GlobalMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         build = FACTORIES.get(func)
+        if build is None and _FACTORIES_BYPASS_MODES_UNDER_DYNAMO and compiling():
+            args, kwargs = self._factory_values_as_global(args, kwargs)
         if (
             build is None
             or "out" in kwargs
             or (func in _LIKE and isinstance(args[0], GlobalTensor))  # a global tensor's own op
             or not self._builds_here(kwargs.get("device"))
-            or (not is_compiling() and _called_by_sbp_torch())
+            or (not compiling() and _called_by_sbp_torch())
         ):
             return func(*args, **kwargs)
         return build(self, func, args, dict(kwargs))  # (a copy: building edits it)
+
+    def _factory_values_as_global(self, args, kwargs):
+        """Dynamo of torch 2.11 records ``arange``, ``eye``, ``linspace``, ``tensor`` and other factories without
+        calling the torch function modes, so their values reach the program plain. Where a plain tensor meets a
+        global tensor, it is taken as the mode would have built it: the same value on every rank, of which each
+        keeps its region. (Placements are not compared here: 2.11's Dynamo cannot trace reading one; an op on two
+        placements refuses itself.)"""
+        leaves = pytree.tree_leaves((args, kwargs))
+        if not any(isinstance(a, GlobalTensor) for a in leaves):
+            return args, kwargs
+
+        def as_global(t: torch.Tensor) -> torch.Tensor:
+            if isinstance(t, GlobalTensor) or t.dim() == 0:
+                return t
+            return from_replica(t, self.placement, self.sbp_for(t.dim()))
+
+        return pytree.tree_map_only(torch.Tensor, as_global, (args, kwargs))
 
     def _builds_here(self, device) -> bool:
         return device is None or torch.device(device).type == self.placement.type
@@ -64,7 +84,7 @@ def _value(mode: GlobalMode, func, args, kwargs):
     requires_grad = kwargs.pop("requires_grad", False)
     kwargs["device"] = mode.placement.device()
     value = func(*args, **kwargs)
-    if not is_compiling():
+    if not compiling():
         return _from_value(value, mode.placement, mode.sbp_for(value.dim()), requires_grad)
     if requires_grad:
         raise NotImplementedError(
@@ -76,7 +96,7 @@ def _value(mode: GlobalMode, func, args, kwargs):
 
 def _random_factory(kind: str):
     def build(mode: GlobalMode, func, args, kwargs):
-        if is_compiling():
+        if compiling():
             # The generator's position advances in Python: a traced program would draw the same values each call.
             raise NotImplementedError(
                 f"{func.__name__} under global mode inside a compiled program: sbp_torch's layout-independent "
@@ -125,6 +145,9 @@ def _holds_tensors(data) -> bool:
         return True
     return isinstance(data, (list, tuple)) and any(_holds_tensors(d) for d in data)
 
+
+# (torch 2.13's Dynamo sends every factory to the modes; 2.11's only ones, zeros, empty, full and some _like forms)
+_FACTORIES_BYPASS_MODES_UNDER_DYNAMO = tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13)
 
 _LIKE = {torch.zeros_like, torch.ones_like, torch.full_like, torch.empty_like, torch.rand_like, torch.randn_like}
 _FROM_DATA = {torch.tensor, torch.as_tensor}

@@ -6,10 +6,10 @@ balanced parts that a global tensor holds, and the gradient comes back cut like 
 
 import torch
 import torch.distributed as dist
-from torch.compiler import is_compiling
 
 from .. import _comm as comm
 from .._boxing import box_local, cross_target
+from .._comm import compiling
 from .._layout import Broadcast, GlobalMeta, Placement, SbpType, Split, broadcast, normalize_sbp
 from .._tensor import GlobalTensor, from_whole, full_tensor, gradient, has_extreme, to_placement, to_sbp
 
@@ -166,7 +166,7 @@ def to_global(x: torch.Tensor, placement: Placement | None = None, sbp=None, *, 
     if isinstance(x, GlobalTensor):
         if placement is not None and placement != x.placement:
             dst_meta = cross_target(x._meta, placement, sbp)  # checked before any data moves
-            if is_compiling() and x.requires_grad and set(x.placement.flat_ranks) != set(placement.flat_ranks):
+            if compiling() and x.requires_grad and set(x.placement.flat_ranks) != set(placement.flat_ranks):
                 # its traced backward hangs the ranks outside one placement (docs/compile.md, Limits)
                 raise NotImplementedError(f"to_global from {x.placement} to {placement} {_COMPILED_MOVE}")
             if check_meta:

@@ -2,7 +2,7 @@
 
 import torch
 
-from .._comm import axis_group
+from .._comm import axis_group, empty_from
 from .._layout import GlobalMeta
 from .pieces import box_of, send_pieces
 from .plan import POINT_TO_POINT, BoxingPlan, axis_view, plan_boxing
@@ -14,8 +14,8 @@ def run_plan(local: torch.Tensor, plan: BoxingPlan) -> torch.Tensor:
     meta: GlobalMeta = plan.meta
     coord = meta.placement.local_coord()
     target = meta.with_sbp(plan.dst_sbp)
-    if coord is None or meta.numel == 0:
-        return local.new_empty(target.local_shape(coord))
+    if coord is None or meta.numel == 0:  # (made from ``local``: a traced exchange may take it in)
+        return empty_from(local, target.local_shape(coord))
     for step in plan.steps:
         if step.collective == POINT_TO_POINT:
             out = local.new_empty(target.local_shape(coord))

@@ -8,10 +8,12 @@ from ._collectives import (
     all_reduce,
     all_to_all,
     broadcast,
+    empty_from,
     reduce_scatter,
     send_recv,
     start_all_reduce,
 )
+from ._compiled import RanksDisagree, compiling, note_placement
 from ._faults import CollectiveError, caller_stops_one_rank_failures, close_world, collective_failed, posted_failures
 from ._groups import AxisGroup, axis_group, ensure_groups, forget_groups
 from ._primitives import local_failure, observing

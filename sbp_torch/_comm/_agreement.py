@@ -1,12 +1,15 @@
 """Check that every rank passed the same metadata, before any data moves: mismatched placements, SBPs or dtypes
 would make ranks issue different collectives and hang. One exchange over the world lets all raise alike.
 
-Under torch.compile the exchange happens while the program is traced, on every rank alike, outside the tracing
-modes (it moves pickled Python values, not the program's tensors); the compiled program holds none of it."""
+Under torch.compile the exchange happens while the program is traced, once per compilation, through the store
+(``_compiled.agree_while_compiling``): Dynamo and AOTAutograd trace the call several times, a rank may trace it
+fewer times than another (a compile cache), and no collective may run while some ranks trace. The compiled program
+holds none of it."""
 
 import torch.distributed as dist
 from torch.utils._python_dispatch import _disable_current_modes
 
+from ._compiled import agree_while_compiling, compiling
 from ._faults import collective_failed
 
 
@@ -14,6 +17,10 @@ def agree(what: str, agreed, local_shape: tuple[int, ...], check: bool) -> list[
     """All-gather ``(agreed, local_shape)`` over the world; return every rank's ``local_shape`` (these may
     differ). When ``check``, raise ValueError on every rank if some rank's ``agreed`` (a picklable value) differs
     from rank 0's, naming those ranks; ``what`` names the checked call in messages."""
+    if compiling():
+        local_shape = tuple(int(s) for s in local_shape)
+        gathered = agree_while_compiling((what, agreed, local_shape), (agreed, local_shape))
+        return _checked(what, gathered, check)
     gathered = [None] * dist.get_world_size()
     try:
         with _disable_current_modes():
@@ -24,6 +31,10 @@ def agree(what: str, agreed, local_shape: tuple[int, ...], check: bool) -> list[
             f"call); this rank passed {agreed} with local shape {tuple(local_shape)}",
             err,
         ) from err
+    return _checked(what, gathered, check)
+
+
+def _checked(what: str, gathered: list, check: bool) -> list[tuple[int, ...]]:
     if check:
         first = gathered[0][0]
         differing = {r: got for r, (got, _) in enumerate(gathered) if got != first}

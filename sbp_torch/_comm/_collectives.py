@@ -210,7 +210,7 @@ def _send_recv_as_all_to_all(sends, recvs, like: torch.Tensor) -> list[torch.Ten
     by_peer = [[] for _ in range(group.size)]
     for tensor, peer, _ in sorted(sends, key=lambda s: s[2]):
         by_peer[peer].append(_on_wire(tensor).reshape(-1))
-    wire_like = _on_wire(like.new_empty(0))
+    wire_like = _on_wire(empty_from(like, (0,)))
     send = torch.cat([piece for pieces in by_peer for piece in pieces] or [wire_like])
     in_counts = [sum(p.numel() for p in pieces) for pieces in by_peer]
     order = sorted(range(len(recvs)), key=lambda i: (recvs[i][1], recvs[i][2]))
@@ -223,6 +223,13 @@ def _send_recv_as_all_to_all(sends, recvs, like: torch.Tensor) -> list[torch.Ten
     for i, shape, flat in zip(order, shapes, received.split([math.prod(shape) for shape in shapes])):
         pieces[i] = _off_wire(flat.view(shape), like.dtype)
     return pieces
+
+
+def empty_from(x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor of ``shape``, which holds no element, of ``x``'s dtype and device, made from ``x``. Traced, it is
+    computed from ``x``: AOTAutograd puts a collective in the forward or the backward graph by what its input is
+    computed from, and a buffer made from nothing would put a rank's collective where the others' is not."""
+    return x.as_strided((0,), (1,)).reshape(shape)
 
 
 def all_reduce(x: torch.Tensor, op: str, group: AxisGroup) -> torch.Tensor:

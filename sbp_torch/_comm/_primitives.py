@@ -2,10 +2,11 @@
 
 Run eagerly, a collective is ``torch.distributed``'s call that writes into a buffer and is waited for here; a
 failure or timeout raises ``CollectiveError`` naming the collective and the ranks. Traced by ``torch.compile``
-(Dynamo and AOTAutograd hold ``torch.compiler.is_compiling()`` true while they trace), it is the functional op
+(``_compiled.compiling``: Dynamo's and AOTAutograd's runs), it is the functional op
 of ``torch.ops._c10d_functional`` that returns a new tensor, followed by its ``wait_tensor``: a graph can hold
 that pair, Inductor lowers it and may move the wait later, whereas an in-place ``c10d`` call traced into a graph
-loses its wait and its result is read before it arrives. The inputs are already on the wire (``_collectives``
+loses its wait and its result is read before it arrives. Each traced collective is recorded for the check that
+the ranks' compiled programs agree (``_compiled.py``). The inputs are already on the wire (``_collectives``
 picks dtypes every backend carries) and contiguous."""
 
 import contextlib
@@ -16,6 +17,7 @@ import torch.distributed as dist
 
 from .._layout import Broadcast
 from . import _faults
+from ._compiled import compiling, record
 from ._faults import CollectiveError
 from ._groups import AxisGroup
 
@@ -53,13 +55,17 @@ def notify(kind: str, group: AxisGroup, nbytes) -> None:
 def traced() -> bool:
     """Whether a collective must be a functional op: torch.compile traces the running code, or ``explain``."""
     observer = _OBSERVER.get()
-    return torch.compiler.is_compiling() or (observer is not None and observer[1])
+    return compiling() or (observer is not None and observer[1])
 
 
-def _issue(kind: str, group: AxisGroup, tensor: torch.Tensor) -> bool:
-    """Tell the observer of the collective ``kind`` on ``tensor``; return whether it must be a functional op."""
+def _issue(kind: str, group: AxisGroup, tensor: torch.Tensor, sends=None, receives=None) -> bool:
+    """Tell the observer of the collective ``kind`` on ``tensor`` (an all-to-all: ``sends`` elements to each group
+    rank, ``receives`` from each); return whether it must be a functional op, which is then recorded."""
     notify(kind, group, lambda: tensor.nbytes)
-    return traced()
+    if traced():
+        record(kind, group, tensor, sends, receives)
+        return True
+    return False
 
 
 def run(what: str, group: AxisGroup, tensor: torch.Tensor, call):
@@ -125,7 +131,7 @@ def reduce_scatter(send: torch.Tensor, op: str, group: AxisGroup) -> torch.Tenso
 def all_to_all(send: torch.Tensor, out_counts: list[int], in_counts: list[int], what: str, group: AxisGroup):
     """Send ``in_counts[g]`` elements of the flat ``send`` to group rank g, in order; receive ``out_counts[g]``
     from each, end to end in one flat tensor."""
-    if _issue(what, group, send):
+    if _issue(what, group, send, in_counts, out_counts):
         return _functional.wait_tensor(_functional.all_to_all_single(send, out_counts, in_counts, _name(group)))
     out = send.new_empty(sum(out_counts))
     run(what, group, send, lambda: dist.all_to_all_single(out, send, out_counts, in_counts, group.process_group))

@@ -17,9 +17,9 @@ import os
 import sys
 
 import torch
-from torch.compiler import is_compiling
 
 from .. import _comm as comm
+from .._comm import compiling
 from .._dispatch import IMPLICIT_BROADCAST, MixedTensorError
 from .._tensor import GlobalTensor
 
@@ -37,7 +37,7 @@ def check_plain_inputs(func, args, kwargs) -> None:
     if mode == "unchecked":
         return
     if mode == "checked":
-        _check_values_agree(func, None if is_compiling() else _call_site(), plain)
+        _check_values_agree(func, None if compiling() else _call_site(), plain)
         return
     raise MixedTensorError(
         f"{_name(func)}: cannot mix a global tensor with a plain tensor of shape {tuple(plain[0].shape)} from "

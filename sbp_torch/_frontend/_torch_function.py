@@ -12,8 +12,7 @@
    reads the local parts, which a trace must reach only through ``__torch_dispatch__``;
 5. everything else goes below autograd to ``__torch_dispatch__``, the dispatcher."""
 
-from torch.compiler import is_compiling
-
+from .._comm import compiling
 from ._batched_matmul import MATMUL_FUNCS, BatchedMatmul, applies
 from ._below_autograd import below_autograd, without_torch_function
 from ._gradient_boundary import at_uses
@@ -33,7 +32,7 @@ def torch_function(cls, func, types, args=(), kwargs=None):
     if func in SDPA_FUNCS and grouped_attention(func, args, kwargs or {}):
         args, kwargs = with_repeated_heads(args, kwargs or {})
         return func(*args, **kwargs)
-    if is_compiling():
+    if compiling():
         args, kwargs = at_uses(func, args, kwargs)
         return below_autograd(func, types, args, kwargs)
     result = without_torch_function(call, types, (func, types, args, kwargs))

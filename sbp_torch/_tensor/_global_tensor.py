@@ -16,6 +16,7 @@ except ImportError:
     _frames = None
 
 from .._boxing import box_local
+from .._comm import note_placement
 from .._layout import GlobalMeta, broadcast, contiguous_strides, normalize_sbp
 from ._gradient import gradient_part, gradient_sbp, has_extreme
 
@@ -95,7 +96,9 @@ class GlobalTensor(torch.Tensor):
         return f"GlobalTensor({self._meta}{grad},\n  local={self._local!r})"
 
     def __tensor_flatten__(self):
-        # The context carries the parameter mark (``mark_reduced_at_use``) into the tracer's copies.
+        # The context carries the parameter mark (``mark_reduced_at_use``) into the tracer's copies. A compilation
+        # that flattens a global tensor takes part in the check that the ranks' programs agree.
+        note_placement(self._meta.placement)
         return ["_local"], (self._meta, reduced_at_use(self))
 
     @staticmethod

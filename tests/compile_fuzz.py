@@ -1,0 +1,190 @@
+"""Random programs on global tensors, compiled, against the same programs on plain tensors in one process.
+
+Each program is a random chain of element-wise ops, a matrix product, softmax, a transpose, a reduction and a
+``to_global`` to another SBP, ending in a loss; its inputs have random uneven shapes and random SBPs (partial
+included) on a 3-rank line or a 2x2 mesh. It is compiled with ``aot_eager`` and with ``inductor``, then called three
+times: a layout, the same again, other SBPs (and for odd seeds other shapes). Each call, forward and backward, must
+give the numbers of one process on every rank, or raise on every rank; a rank that dies (an abort) or a world that
+stops answering (a hang) is a failure. ``test_compile.py`` runs a few programs; the whole fuzz is a command:
+
+    python tests/compile_fuzz.py --programs 200 --seed 0
+
+(it prints the counts; ``--programs`` per world, both worlds; on 2 cores about a minute per 4 programs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import random
+import sys
+import time
+
+import torch
+import torch._dynamo
+import torch._inductor.config
+
+import sbp_torch as st
+from sbp_torch.sbp import broadcast as B
+from sbp_torch.sbp import partial_sum as P
+from sbp_torch.sbp import split as S
+
+from op_check import layout
+
+WORLDS = {"line": (3, [0, 1, 2]), "mesh": (4, [[0, 1], [2, 3]])}
+BACKENDS = ("aot_eager", "inductor")
+INPUT_SBPS = [B, P, S(0), S(1)]
+MOVE_SBPS = [B, S(0), S(1)]  # to_global inside a program: to a partial would change the value
+STEPS = ["tanh", "affine", "square", "relu", "softmax", "transpose", "move", "matmul"]
+
+
+def draw_program(rng: random.Random) -> list[str]:
+    """A chain of 2-5 steps; the matrix product at most once. The chain always ends in a reduction (the loss)."""
+    steps = [rng.choice(STEPS) for _ in range(rng.randint(2, 5))]
+    return [s for i, s in enumerate(steps) if s != "matmul" or "matmul" not in steps[:i]]
+
+
+def draw_sbp(rng: random.Random, ndim: int, choices) -> tuple:
+    return tuple(rng.choice(choices) for _ in range(ndim))
+
+
+def make_program(steps: list[str], move_sbps: list[tuple], reduce_dim: int):
+    """``program(x, w)`` for the chain ``steps``; ``move_sbps`` are the targets of its ``to_global`` steps, in
+    order (ignored on plain tensors, where the step is the identity)."""
+
+    def program(x, w):
+        h, moves = x, iter(move_sbps)
+        for step in steps:
+            if step == "tanh":
+                h = torch.tanh(h)
+            elif step == "affine":
+                h = h * 1.5 - 0.25
+            elif step == "square":
+                h = h * h
+            elif step == "relu":
+                h = torch.relu(h) + 0.1
+            elif step == "softmax":
+                h = h.softmax(dim=-1)
+            elif step == "transpose":
+                h = h.t()
+            elif step == "move":
+                sbp = next(moves)
+                h = h.to_global(sbp=sbp) if h.is_global else h
+            elif step == "matmul":
+                h = h @ w if h.shape[-1] == w.shape[0] else h.t() @ w
+        return h.sum(reduce_dim).pow(2).mean() + (w * 0.5).sum()
+
+    return program
+
+
+def run_program(seed: int, world: str) -> list[tuple]:
+    """Program ``seed`` on this rank, with both backends and four calls each: a list of (backend, call, outcome),
+    where outcome is "match", "wrong" or "raised <type>"."""
+    rng = random.Random(seed)
+    p = st.placement("cpu", WORLDS[world][1])
+    steps = draw_program(rng)
+    move_sbps = [draw_sbp(rng, p.ndim, MOVE_SBPS) for _ in steps]
+    reduce_dim = rng.randint(0, 1)
+    shapes = [(rng.randint(1, 7), rng.randint(1, 7), rng.randint(1, 7)) for _ in range(2)]
+    layouts = [(draw_sbp(rng, p.ndim, INPUT_SBPS), draw_sbp(rng, p.ndim, INPUT_SBPS)) for _ in range(2)]
+    # again (the compiled program is reused), then other SBPs (a recompile), with other shapes for odd seeds
+    calls = [(shapes[0], layouts[0]), (shapes[0], layouts[0]), (shapes[seed % 2], layouts[1])]
+    program = make_program(steps, move_sbps, reduce_dim)
+    outcomes = []
+    torch._inductor.config.compile_threads = 1  # (no compile workers: the ranks share the cores)
+    for backend in BACKENDS:
+        torch._dynamo.reset()
+        compiled = torch.compile(program, backend=backend, fullgraph=True)
+        for index, ((m, n, k), (x_sbp, w_sbp)) in enumerate(calls):
+            gen = torch.Generator().manual_seed(seed * 10 + index)
+            X, W = torch.randn(m, n, generator=gen), torch.randn(n, k, generator=gen)
+            outcomes.append((backend, index, _call(compiled, program, X, W, p, x_sbp, w_sbp)))
+            if outcomes[-1][2].startswith("raised") and not torch.distributed.is_initialized():
+                return outcomes  # this rank closed its world: the driver starts a fresh one
+    return outcomes
+
+
+def _call(compiled, program, X, W, p, x_sbp, w_sbp) -> str:
+    x_ref, w_ref = X.clone().requires_grad_(), W.clone().requires_grad_()
+    try:
+        want = program(x_ref, w_ref)
+        want.backward()
+    except RuntimeError:  # the chain does not fit these shapes in one process either
+        return "skipped"
+    try:
+        x = layout(X, p, x_sbp).detach().requires_grad_()
+        w = layout(W, p, w_sbp).detach().requires_grad_()
+        loss = compiled(x, w)
+        loss.backward()
+        got = [loss.full_tensor().detach(), x.grad.full_tensor(), w.grad.full_tensor()]
+    except Exception as err:  # noqa: BLE001 - every error counts; the driver checks all ranks raised
+        return f"raised {type(err).__name__}: {str(err).splitlines()[0][:200]}"
+    close = all(
+        torch.allclose(g, r, rtol=1e-4, atol=1e-4) for g, r in zip(got, [want.detach(), x_ref.grad, w_ref.grad])
+    )
+    return "match" if close else "wrong"
+
+
+def fuzz(programs: int, seed: int, batch: int = 4, timeout: float = 600.0) -> dict:
+    """Run ``programs`` programs on each world; returns the counts (and the failures, described)."""
+    from world import RankFailure, run_on_world
+
+    counts, failures, raised = collections.Counter(), [], collections.Counter()
+    for world, (size, _) in WORLDS.items():
+        for start in range(0, programs, batch):
+            seeds = range(seed + start, seed + min(start + batch, programs))
+            try:
+                per_rank = run_on_world(size, run_batch, list(seeds), world, _timeout=timeout)
+            except RankFailure as err:
+                kind = "hangs" if err.missing else "aborts"
+                counts[kind] += 1
+                failures.append(f"{world} seeds {list(seeds)}: {kind}\n{str(err)[:3000]}")
+                continue
+            for s, outcomes in zip(seeds, zip(*per_rank)):
+                counts["programs"] += 1
+                for calls in zip(*outcomes):
+                    counts["calls"] += 1
+                    kinds = {o[2] if not o[2].startswith("raised") else "raised" for o in calls}
+                    if kinds == {"match"}:
+                        counts["matches"] += 1
+                    elif kinds == {"raised"}:
+                        counts["raises everywhere"] += 1
+                        raised[calls[0][2][:160]] += 1
+                    elif kinds == {"skipped"}:
+                        counts["skipped (no plain result)"] += 1
+                    else:
+                        counts["wrong or divergent"] += 1
+                        failures.append(f"{world} seed {s} {calls[0][:2]}: " + "; ".join(o[2] for o in calls))
+            print(f"{world} {seeds}: {dict(counts)}", file=sys.stderr, flush=True)
+    return {"counts": dict(counts), "failures": failures, "raised": dict(raised)}
+
+
+def run_batch(seeds: list[int], world: str) -> list[list[tuple]]:
+    """Each program of ``seeds`` (see ``run_program``); stops early if this rank closed its world."""
+    results = []
+    for s in seeds:
+        results.append(run_program(s, world))
+        if not torch.distributed.is_initialized():
+            break
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--programs", type=int, default=200, help="programs per world")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    started = time.monotonic()
+    import compile_fuzz  # (the workers find the functions by this module's name, not "__main__")
+
+    result = compile_fuzz.fuzz(args.programs, args.seed)
+    for failure in result["failures"]:
+        print(failure, "\n")
+    for message, n in result["raised"].items():
+        print(f"raised on every rank ({n}): {message}")
+    print(f"torch {torch.__version__}, seed {args.seed}, {time.monotonic() - started:.0f} s: {result['counts']}")
+    sys.exit(1 if result["failures"] else 0)
+
+
+if __name__ == "__main__":
+    main()
