@@ -209,14 +209,17 @@ def measure(args) -> dict:
                     rows.append(row)
                     print(json.dumps(row), flush=True)
             torch.cuda.empty_cache()
-    versions = {"torch": torch.__version__, "triton": _version("triton"), "liger_kernel": _version("liger_kernel")}
+    versions = {"torch": torch.__version__, "triton": _version("triton"), "liger_kernel": _version("liger-kernel")}
     return {"device": torch.cuda.get_device_name(), "copy_GB/s": copy, **versions, "rows": rows}
 
 
-def _version(module: str) -> str:
+def _version(distribution: str) -> str:
+    """The installed version of a distribution (its metadata: liger_kernel has no ``__version__``), or "absent"."""
+    from importlib.metadata import PackageNotFoundError, version
+
     try:
-        return __import__(module).__version__
-    except Exception:  # not installed, or no version attribute
+        return version(distribution)
+    except PackageNotFoundError:
         return "absent"
 
 
