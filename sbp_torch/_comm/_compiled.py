@@ -1,4 +1,4 @@
-"""Ranks agree on what a compiled program communicates: checked once per compilation, by construction.
+"""Ranks agree on what their compiled programs communicate, checked once per compilation.
 
 Each rank compiles its own program with ``torch.compile``. A collective pairs the n-th call of each rank of its
 group, so if the programs of two ranks differ in their collectives (kind, group, sizes, dtype, order), running
