@@ -588,10 +588,13 @@ def _main() -> None:
     for finding in report.findings:
         print("  ", finding)
     if args.missing:
-        found = [m for call in calls for m in missing_signatures(call)]
-        print(f"{len(found)} missing ({time.perf_counter() - checked:.1f} s):")
-        for m in found:
-            print("  ", m)
+        print("missing:", flush=True)
+        found = 0
+        for call in calls:
+            for m in missing_signatures(call):
+                found += 1
+                print("  ", m, flush=True)
+        print(f"{found} missing ({time.perf_counter() - checked:.1f} s)")
 
 
 def attention_calls() -> list[SampleCall]:
