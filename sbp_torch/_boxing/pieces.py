@@ -139,7 +139,7 @@ def send_pieces(
             sends.append((cut(local, src_origin, piece), piece.dst, tag))
         elif piece.dst == me:
             arriving.append((piece, tag))
-    received = comm.send_recv(sends, [(p.lengths, p.src, tag) for p, tag in arriving], local)
+    received, out = comm.send_recv(sends, [(p.lengths, p.src, tag) for p, tag in arriving], local, out)
     for (piece, _), value in zip(arriving, received):
         place(piece, value)
     return out

@@ -169,13 +169,20 @@ all_to_all = _keeping_dtype(_all_to_all)
 
 
 def send_recv(
-    sends: list[tuple[torch.Tensor, int, int]], recvs: list[tuple[tuple[int, ...], int, int]], like: torch.Tensor
-) -> list[torch.Tensor]:
-    """Point-to-point over the default group: send each ``(tensor, to rank, tag)``, receive and return each
-    ``(shape, from rank, tag)`` as a tensor of ``like``'s dtype and device. Everything is posted before anything
-    is waited for, so the order of the lists cannot deadlock. Dtypes gloo lacks travel as on the collectives."""
+    sends: list[tuple[torch.Tensor, int, int]],
+    recvs: list[tuple[tuple[int, ...], int, int]],
+    like: torch.Tensor,
+    holder: torch.Tensor,
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Point-to-point over the default group: send each ``(tensor, to rank, tag)`` (cut from ``like``), receive
+    each ``(shape, from rank, tag)`` as a tensor of ``like``'s dtype and device. Returns the received tensors and
+    ``holder``, the tensor they are to be placed into. Traced, the exchange reads ``like`` and ``holder`` is
+    returned in a form computed from the exchange, so the exchange is in every rank's program whatever the rank
+    sends or receives (a compiler drops a collective whose result nothing reads, and one whose input nothing
+    computed may land in another graph). Everything is posted before anything is waited for, so the order of the
+    lists cannot deadlock. Dtypes gloo lacks travel as on the collectives."""
     if call.traced():
-        return _send_recv_as_all_to_all(sends, recvs, like)
+        return _send_recv_as_all_to_all(sends, recvs, like, holder)
     # Observed as one exchange over the world, as its traced form is (a rank may put nothing in).
     call.notify(POINT_TO_POINT, _world_group(), lambda: sum(_on_wire(t).nbytes for t, _, _ in sends))
     ops = [dist.P2POp(dist.isend, _on_wire(t).contiguous(), peer, tag=tag) for t, peer, tag in sends]
@@ -192,7 +199,7 @@ def send_recv(
                 f"{source}) of {like.dtype} pieces failed while waiting for the other ranks",
                 err,
             ) from err
-    return [_off_wire(buf, like.dtype) for buf in buffers]
+    return [_off_wire(buf, like.dtype) for buf in buffers], holder
 
 
 POINT_TO_POINT = "point-to-point exchange"
@@ -202,7 +209,7 @@ def _world_group() -> AxisGroup:
     return AxisGroup(tuple(range(dist.get_world_size())), dist.get_rank(), dist.group.WORLD)
 
 
-def _send_recv_as_all_to_all(sends, recvs, like: torch.Tensor) -> list[torch.Tensor]:
+def _send_recv_as_all_to_all(sends, recvs, like: torch.Tensor, holder: torch.Tensor):
     """``send_recv`` as one all-to-all over the world, the form a traced graph can hold (there is no functional
     point-to-point op). Every rank of the world takes part, as every rank runs each op of a global program; the
     pieces between two ranks travel end to end in the order of their tags, which both ends list in that order."""
@@ -222,7 +229,11 @@ def _send_recv_as_all_to_all(sends, recvs, like: torch.Tensor) -> list[torch.Ten
     pieces = [None] * len(recvs)
     for i, shape, flat in zip(order, shapes, received.split([math.prod(shape) for shape in shapes])):
         pieces[i] = _off_wire(flat.view(shape), like.dtype)
-    return pieces
+    if holder.numel() == 0:
+        holder = _off_wire(empty_from(received, (0,)), like.dtype).reshape(holder.shape)
+    else:  # (copies nothing; functionalized, the holder becomes a value computed from the exchange)
+        holder.view(-1)[:0].copy_(received[:0])
+    return pieces, holder
 
 
 def empty_from(x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
