@@ -79,9 +79,9 @@ def make_program(steps: list[str], move_sbps: list[tuple], reduce_dim: int):
     return program
 
 
-def run_program(seed: int, world: str) -> list[tuple]:
-    """Program ``seed`` on this rank, with both backends and four calls each: a list of (backend, call, outcome),
-    where outcome is "match", "wrong" or "raised <type>"."""
+def run_program(seed: int, world: str, backends: tuple[str, ...] = BACKENDS) -> list[tuple]:
+    """Program ``seed`` on this rank, with each of ``backends`` and three calls each: a list of (backend, call,
+    outcome), where outcome is "match", "wrong" or "raised <type>"."""
     rng = random.Random(seed)
     p = st.placement("cpu", WORLDS[world][1])
     steps = draw_program(rng)
@@ -94,7 +94,7 @@ def run_program(seed: int, world: str) -> list[tuple]:
     program = make_program(steps, move_sbps, reduce_dim)
     outcomes = []
     torch._inductor.config.compile_threads = 1  # (no compile workers: the ranks share the cores)
-    for backend in BACKENDS:
+    for backend in backends:
         torch._dynamo.reset()
         compiled = torch.compile(program, backend=backend, fullgraph=True)
         for index, ((m, n, k), (x_sbp, w_sbp)) in enumerate(calls):

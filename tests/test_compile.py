@@ -426,6 +426,23 @@ def test_the_first_difference_between_compiled_programs_is_named():
     assert first_difference({0: [reduce], 1: [reduce], 2: []}) is None
 
 
+@pytest.mark.parametrize(
+    "size, world, seed, backends",
+    [
+        # a rank's partition saved a value computed by a collective, and kept a dead copy of it
+        (3, "line", 73, ("aot_eager", "inductor")),
+        # ranks that only send, or hold empty parts, read nothing a collective returns: the partition dropped it
+        (4, "mesh", 11, ("inductor",)),
+    ],
+)
+def test_random_programs_that_left_ranks_out_of_step(size, world, seed, backends):
+    import compile_fuzz
+
+    per_rank = run_on_world(size, compile_fuzz.run_program, seed, world, backends, _timeout=400)
+    for calls in zip(*per_rank):
+        assert {c[2] for c in calls} == {"match"}, calls
+
+
 def test_a_few_random_programs_compiled():
     import compile_fuzz
 

@@ -20,6 +20,7 @@ longer than the store's timeout for the others raises, and closes its process gr
 
 import contextlib
 import functools
+import hashlib
 import pickle
 from typing import NamedTuple
 
@@ -62,12 +63,57 @@ def compiling() -> bool:
 
 class _Compilation:
     """What one compilation recorded: every collective traced (Dynamo's run included), those that AOTAutograd
-    traced into the graphs, and the metadata agreed."""
+    traced into the graphs, and the metadata agreed.
+
+    While it runs (restored when it ends), what decides a compiled program's collectives after it is traced
+    decides the same on every rank, whatever the sizes of their parts:
+
+    * AOTAutograd's common-subexpression elimination is off: it would merge two collectives whose inputs are the same
+      expression on one rank (a reduction over an empty part folded to a constant, identity parts made from nothing)
+      but not on the others, which would then wait for a collective that never comes;
+    * a partitioner decides what the backward saves and what it recomputes by the sizes of the values, which
+      differ between ranks holding uneven parts, and may then put a collective in one rank's backward graph only.
+      Where the ranks' joint graphs differ in shapes, ``_joint_pass`` marks every value to be saved, for any
+      backend; Inductor's partition is checked after it runs (``_partitioner_type``).
+    """
 
     def __init__(self):
         self.ranks: set[int] = set()  # the placements this compilation communicates on
         self.graphs: list[Traced] = []
         self.agreed: dict = {}
+        self.shapes_alike = True  # whether the ranks' joint graphs have the same shapes (``_joint_pass``)
+        functorch = torch._functorch.config
+        self.cse, self.joint_pass = functorch.cse, functorch.joint_custom_pass
+        functorch.cse, functorch.joint_custom_pass = False, _joint_pass
+        inductor = _inductor_config()
+        self.partitioner = inductor.custom_partitioner_fn
+        inductor.custom_partitioner_fn = _same_on_every_rank(self.partitioner)
+
+    def restore(self) -> None:
+        functorch = torch._functorch.config
+        functorch.cse, functorch.joint_custom_pass = self.cse, self.joint_pass
+        _inductor_config().custom_partitioner_fn = self.partitioner
+
+
+def _joint_pass(gm, joint_inputs):
+    """AOTAutograd's pass over the joint forward and backward graph, before any backend partitions it: where
+    the ranks' joint graphs differ in shapes, every value is marked to be saved rather than recomputed, so that a
+    partitioner's choice no longer depends on sizes."""
+    compilation = _compilation[0]
+    if compilation is not None and compilation.joint_pass is not None:
+        gm = compilation.joint_pass(gm, joint_inputs)
+    ranks = tuple(sorted(compilation.ranks)) if compilation is not None else ()
+    if len(ranks) < 2 or dist.get_rank() not in ranks:
+        return gm
+    shapes = _exchange("joint", ranks, _shapes_of(gm.graph), what="a compiled program's joint graph")
+    compilation.shapes_alike = len(set(shapes)) == 1
+    if not compilation.shapes_alike:
+        from torch.utils.checkpoint import CheckpointPolicy
+
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and "recompute" not in node.meta:
+                node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+    return gm
 
 
 # The running compilation's record: Dynamo compiles one frame at a time (under its compile lock), and a
@@ -84,6 +130,138 @@ def _current() -> _Compilation:
     if _compilation[0] is None:
         _compilation[0] = _Compilation()
     return _compilation[0]
+
+
+@functools.cache
+def _inductor_config():
+    import torch._inductor.config  # (imported once a program compiles)
+
+    return torch._inductor.config
+
+
+@functools.cache
+def _partitioner_type():
+    """Inductor's partitioner for a program with sbp_torch's collectives (a ``CustomPartitionerFn``).
+
+    A partitioner decides what the backward saves and what it recomputes by the sizes of the values, which
+    differ between ranks holding uneven parts, and drops a collective whose result its rank does not read. So:
+    where the compilation's ranks traced joint graphs of the same shapes (``_joint_pass``), the partitioner it
+    replaced (by default Inductor's min-cut) decides; where they differ, the default partition, which keeps
+    forward and backward as traced. Either way the ranks then compare the collectives of their forward and
+    backward graphs; where they differ, the default partition is tried, and where that differs too every rank
+    raises ``RanksDisagree``: a program that would leave a rank waiting in a collective never runs."""
+    from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
+
+    class SameOnEveryRank(CustomPartitionerFn):
+        def __init__(self, replaced):
+            self.replaced = replaced
+
+        def __call__(self, gm, joint_inputs, **kwargs):
+            compilation = _compilation[0]
+            ranks = tuple(sorted(compilation.ranks)) if compilation is not None else ()
+            if len(ranks) < 2 or dist.get_rank() not in ranks:
+                return (self.replaced or min_cut_rematerialization_partition)(gm, joint_inputs, **kwargs)
+            indices = kwargs.get("static_lifetime_input_indices")
+            tries = [
+                lambda g: default_partition(
+                    g, joint_inputs, num_fwd_outputs=kwargs["num_fwd_outputs"], static_lifetime_input_indices=indices
+                )
+            ]
+            if compilation.shapes_alike:
+                tries.insert(
+                    0, lambda g: (self.replaced or min_cut_rematerialization_partition)(g, joint_inputs, **kwargs)
+                )
+            for attempt, partition in enumerate(tries, 1):
+                # (a partitioner may change the joint graph it is given: each try gets its own copy)
+                graphs = tuple(_without_unused_collectives(g) for g in partition(_copied(gm)))
+                prints = _exchange("partitioned", ranks, [_collectives_of(g) for g in graphs], what="a partition")
+                problems = [first_difference(dict(zip(ranks, p))) for p in zip(*prints)]
+                if not any(problems) or attempt == len(tries):
+                    break
+            for part, problem in zip(("forward", "backward"), problems):
+                if problem is not None:
+                    raise RanksDisagree(
+                        f"the ranks' compiled {part} graphs issue different collectives after torch.compile's "
+                        f"partitioner ran, so they cannot run: {problem}. Run this program eagerly, or lay out its "
+                        "inputs so that no rank holds an empty part"
+                    )
+            return graphs
+
+        def uuid(self):
+            return get_hash_for_files((__file__,), repr(self.replaced and self.replaced.uuid()))
+
+        def __reduce__(self):  # (Inductor pickles its configuration into cache keys)
+            return _same_on_every_rank, (self.replaced,)
+
+    return SameOnEveryRank
+
+
+def _copied(gm):
+    """A copy of the joint graph ``gm`` for one partitioner to change; the nodes' metadata is shared."""
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    copy = torch.fx.GraphModule(gm, graph)
+    copy.meta = dict(gm.meta)
+    return copy
+
+
+def _without_unused_collectives(gm):
+    """``gm`` without the collectives whose results nothing uses (their waits included), and what fed only them:
+    a partition leaves such dead copies where a value it saves for the backward was computed from them."""
+    graph = gm.graph
+    functional = torch.ops._c10d_functional
+    removed = False
+    for node in reversed(list(graph.nodes)):
+        if node.op != "call_function" or node.users or node.target is not functional.wait_tensor.default:
+            continue
+        issued = node.args[0]
+        graph.erase_node(node)
+        removed = True
+        if isinstance(issued, torch.fx.Node) and not issued.users:
+            graph.erase_node(issued)
+    if removed:
+        graph.eliminate_dead_code(is_impure_node=_keeps)
+        gm.recompile()
+    return gm
+
+
+def _keeps(node) -> bool:
+    """Dead-code elimination after removing unused collectives keeps the other collectives and mutations."""
+    return getattr(node.target, "namespace", None) == "_c10d_functional" or node.is_impure()
+
+
+def _collectives_of(gm) -> list[Traced]:
+    """The collectives of a partitioned graph, in its order, in the form of the check of traced programs."""
+    found = []
+    for node in gm.graph.nodes:
+        target = node.target
+        if node.op != "call_function" or getattr(target, "namespace", None) != "_c10d_functional":
+            continue
+        name = target._schema.name.split("::")[1]
+        if name == "wait_tensor":
+            continue
+        sent = node.args[0].meta.get("val")
+        group = dist.distributed_c10d._resolve_process_group(node.args[-1])
+        ranks = tuple(sorted(dist.get_process_group_ranks(group)))
+        sends = receives = None
+        if name == "all_to_all_single":
+            receives, sends = (tuple(int(c) for c in counts) for counts in node.args[1:3])
+        found.append(Traced(name, ranks, str(sent.dtype), tuple(int(d) for d in sent.shape), sends, receives))
+    return found
+
+
+def _same_on_every_rank(replaced):
+    return _partitioner_type()(replaced)
+
+
+def _shapes_of(graph) -> str:
+    """A digest of what a partition decides by: each node's op and the shape of its value."""
+    described = []
+    for node in graph.nodes:
+        value = node.meta.get("val")
+        described.append(f"{node.op}:{node.target}:{tuple(value.shape) if isinstance(value, torch.Tensor) else ''}")
+    return hashlib.sha256("/".join(described).encode()).hexdigest()
 
 
 @functools.cache
@@ -132,7 +310,10 @@ def _on_compile_end(args) -> None:
     if args.callback_trigger.name != "DYNAMO":  # (a lazy backward was traced with its forward)
         return
     compilation, _compilation[0] = _compilation[0], None
-    if compilation is None or len(compilation.ranks) < 2 or dist.get_rank() not in compilation.ranks:
+    if compilation is None:
+        return
+    compilation.restore()
+    if len(compilation.ranks) < 2 or dist.get_rank() not in compilation.ranks:
         return
     ranks = tuple(sorted(compilation.ranks))
     prints = _exchange("collectives", ranks, compilation.graphs, what="a compiled program")
