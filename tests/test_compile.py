@@ -429,7 +429,7 @@ def test_the_first_difference_between_compiled_programs_is_named():
 @pytest.mark.parametrize(
     "size, world, seed, backends",
     [
-        # a rank's partition saved a value computed by a collective, and kept a dead copy of it
+        # ranks whose joint graphs differ in shapes, so that the partition may differ, on both backends
         (3, "line", 73, ("aot_eager", "inductor")),
         # ranks that only send, or hold empty parts, read nothing a collective returns: the partition dropped it
         (4, "mesh", 11, ("inductor",)),
