@@ -12,10 +12,11 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from .._layout import Placement, broadcast, normalize_sbp
+from .._layout import GlobalMeta, Placement, broadcast, normalize_sbp
 from .._tensor import GlobalTensor
 from ._global_mode import GlobalMode
 from ._gradient_reducer import GradientReducer
+from ._sharding import MixedPrecision, shard_model, storage_sbp
 from ._to_global import to_global
 
 
@@ -40,19 +41,45 @@ def sbp_for(name: str, tensor: torch.Tensor, sbp, placement: Placement):
         raise type(err)(f"module tensor {name!r} of shape {tuple(tensor.shape)}: {err}") from err
 
 
-def _globalize(name: str, tensor: torch.Tensor, placement: Placement, sbp, memo: dict) -> torch.Tensor:
+def _globalize(name: str, tensor: torch.Tensor, placement: Placement, sbp, memo: dict, sharding) -> torch.Tensor:
+    """The global tensor that stands for ``tensor``; a parameter sharded by ``sharding`` (None, or (axis,
+    policy, {id(stored): (stored, compute meta)}) to fill) is stored split over the axis."""
     if id(tensor) in memo:  # tied parameters stay tied
         return memo[id(tensor)]
-    sbp = sbp_for(name, tensor, sbp, placement)
+    sbp = compute = sbp_for(name, tensor, sbp, placement)
+    if sharding is not None and isinstance(tensor, nn.Parameter):
+        sbp = storage_sbp(name, compute, sharding[0], tensor.dim()) or compute
     replicated = to_global(tensor.detach(), placement, (broadcast,) * placement.ndim)
     value = replicated.to_global(sbp=sbp).detach()
     if isinstance(tensor, nn.Parameter):
         value = nn.Parameter(value, requires_grad=tensor.requires_grad)
+        if sbp != compute:
+            dtype = sharding[1].param_dtype or value.dtype
+            sharding[2][id(value)] = (value, GlobalMeta(value._meta.shape, dtype, placement, compute))
     memo[id(tensor)] = value
     return value
 
 
-def module_to_global(module: nn.Module, placement: Placement, sbp=None, *, bucket_mb: float = 25.0) -> nn.Module:
+def _sharding(placement: Placement, shard, mixed_precision) -> tuple | None:
+    if shard is None:
+        if mixed_precision is not None:
+            raise ValueError("mixed_precision applies to sharded parameters: give shard=<the data axis> too")
+        return None
+    if not isinstance(shard, int) or isinstance(shard, bool) or not 0 <= shard < placement.ndim:
+        raise ValueError(f"shard must be a placement axis, 0 to {placement.ndim - 1} for {placement}, got {shard!r}")
+    return (shard, mixed_precision or MixedPrecision(), {})
+
+
+def module_to_global(
+    module: nn.Module,
+    placement: Placement,
+    sbp=None,
+    *,
+    bucket_mb: float = 25.0,
+    shard: int | None = None,
+    units: list[str] | None = None,
+    mixed_precision: MixedPrecision | None = None,
+) -> nn.Module:
     """Lay out every parameter and buffer of ``module`` on ``placement``, in place; returns ``module``.
 
     Args:
@@ -60,6 +87,14 @@ def module_to_global(module: nn.Module, placement: Placement, sbp=None, *, bucke
             the dotted tensor names (``"blocks.*.mlp.up.weight"``) to SBPs, where the most specific match wins
             and unmatched tensors are broadcast; or a callable ``(name, tensor) -> sbp``. Default: broadcast.
         bucket_mb: size of the buckets in which all-reduced gradients are combined.
+        shard: a placement axis (the data axis) to shard parameters over, as FSDP and ZeRO do: each parameter
+            is stored split over it (what the optimizer, ``state_dict`` and checkpoints see) and gathered to the
+            layout ``sbp`` gives it (broadcast on that axis) while the unit that holds it runs; gradients are
+            reduce-scattered back to the stored layout (docs/training.md). None: parameters are stored as used.
+        units: glob patterns on module names; each matching module gathers its parameters (those of no
+            inner unit) together, the root module the rest. Default: each child of an ``nn.ModuleList``.
+        mixed_precision: a ``MixedPrecision``: the dtypes sharded parameters are gathered in and gradients
+            reduced in (needs ``shard``).
 
     Each call of ``module`` then runs in global mode on ``placement`` (``global_mode``): tensors its ``forward``
     builds with torch's factories are broadcast global tensors, so unmodified model code runs. A module holding
@@ -72,6 +107,7 @@ def module_to_global(module: nn.Module, placement: Placement, sbp=None, *, bucke
         raise TypeError(f"placement must be an sbp_torch.placement, got {type(placement).__name__}")
     if sbp is None:
         sbp = (broadcast,) * placement.ndim
+    sharding = _sharding(placement, shard, mixed_precision)
     memo: dict = {}
     params = []
     for prefix, sub in module.named_modules(remove_duplicate=False):
@@ -81,13 +117,15 @@ def module_to_global(module: nn.Module, placement: Placement, sbp=None, *, bucke
                 if tensor is None or isinstance(tensor, GlobalTensor):
                     continue
                 full_name = f"{prefix}.{name}" if prefix else name
-                new = _globalize(full_name, tensor, placement, sbp, memo)
+                new = _globalize(full_name, tensor, placement, sbp, memo, sharding)
                 table[name] = new
                 if isinstance(new, nn.Parameter) and new.requires_grad and all(new is not p for p in params):
                     params.append(new)
     if params:
         GradientReducer(params, bucket_mb)
     ForwardInGlobalMode.install(module)
+    if sharding is not None:
+        module._sbp_torch_sharded = shard_model(module, sharding[2], shard, units, sharding[1])
     return module
 
 

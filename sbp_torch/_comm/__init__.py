@@ -12,8 +12,10 @@ from ._collectives import (
     reduce_scatter,
     send_recv,
     start_all_reduce,
+    start_gather_rows,
+    start_reduce_scatter_rows,
 )
 from ._compiled import RanksDisagree, compiling, note_placement
 from ._faults import CollectiveError, caller_stops_one_rank_failures, close_world, collective_failed, posted_failures
 from ._groups import AxisGroup, axis_group, ensure_groups, forget_groups
-from ._primitives import local_failure, observing
+from ._primitives import local_failure, observing, traced

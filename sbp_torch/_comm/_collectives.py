@@ -256,3 +256,29 @@ def start_all_reduce(x: torch.Tensor, op: str, group: AxisGroup):
     _refuse_unreducible("all_reduce", x, [op])
     started = call.start_all_reduce(_on_wire(x).contiguous(), op, group)
     return lambda: _off_wire(started(), x.dtype)
+
+
+def start_gather_rows(row: torch.Tensor, group: AxisGroup):
+    """Begin gathering every rank's equal 1-D ``row``; returns ``finish()``, which waits and returns the rows
+    stacked in axis order (one row per coordinate). Lets sharded parameters be fetched while compute goes on."""
+    if group.size == 1:
+        return lambda: row.view(1, -1).clone()
+    started = call.start_all_gather(_on_wire(row).contiguous(), group)
+
+    def finish() -> torch.Tensor:
+        rows = _off_wire(started(), row.dtype).view(group.size, -1)
+        return rows if group.in_rank_order else rows[_from_group_order(group, list(range(group.size)))]
+
+    return finish
+
+
+def start_reduce_scatter_rows(rows: torch.Tensor, op: str, group: AxisGroup):
+    """Begin reducing ``rows`` (one equal row per axis coordinate, in axis order) over the group with ``op``;
+    returns ``finish()``, which waits and returns this rank's reduced row. Lets gradients be reduced while
+    backward goes on."""
+    if group.size == 1:
+        return lambda: rows[0].clone()
+    _refuse_unreducible("reduce_scatter", rows, [op])
+    send = rows if group.in_rank_order else rows[list(_to_group_order(group, range(group.size)))]
+    started = call.start_reduce_scatter(_on_wire(send).contiguous().view(-1), op, group)
+    return lambda: _off_wire(started(), rows.dtype)

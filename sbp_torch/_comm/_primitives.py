@@ -147,8 +147,32 @@ def start_all_reduce(x: torch.Tensor, op: str, group: AxisGroup):
         return lambda: _functional.wait_tensor(started)
     out = x.clone()
     work = run(what, group, x, lambda: dist.all_reduce(out, _REDUCE_OPS[op], group.process_group, async_op=True))
-    started = _Started(what, group, x, work)
+    return _finisher(_Started(what, group, x, work), out)
 
+
+def start_all_gather(rows: torch.Tensor, group: AxisGroup):
+    """Begin ``all_gather(rows, group)`` without waiting; returns ``finish()``, which waits and returns it."""
+    if _issue("all-gather", group, rows):
+        started = _functional.all_gather_into_tensor(rows, group.size, _name(group))
+        return lambda: _functional.wait_tensor(started)
+    out = rows.new_empty((rows.shape[0] * group.size, *rows.shape[1:]))
+    work = run("all-gather", group, rows, lambda: _all_gather_even(out, rows, group.process_group, async_op=True))
+    return _finisher(_Started("all-gather", group, rows, work), out)
+
+
+def start_reduce_scatter(send: torch.Tensor, op: str, group: AxisGroup):
+    """Begin ``reduce_scatter(send, op, group)`` without waiting; returns ``finish()``, which waits and returns it."""
+    what = f"reduce-scatter({op})"
+    if _issue(what, group, send):
+        started = _functional.reduce_scatter_tensor(send, op, group.size, _name(group))
+        return lambda: _functional.wait_tensor(started)
+    out = send.new_empty((send.shape[0] // group.size, *send.shape[1:]))
+    work = run(what, group, send, lambda: _reduce_scatter_even(out, send, _REDUCE_OPS[op], group.process_group,
+                                                              async_op=True))  # fmt: skip
+    return _finisher(_Started(what, group, send, work), out)
+
+
+def _finisher(started, out: torch.Tensor):
     def finish() -> torch.Tensor:  # holds no group: a group held keeps its connections open after a failure
         started.wait()
         return out
