@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from .. import _comm as comm
 from .._boxing import box_local
@@ -34,11 +35,14 @@ from .._tensor import GlobalTensor
 class MixedPrecision:
     """The dtypes of sharded parameters in use (as FSDP2's ``MixedPrecisionPolicy``). Stored parameters keep
     their dtype, and the optimizer updates them in it; ``param_dtype`` is the dtype they are gathered and
-    computed in (None: the stored dtype); ``reduce_dtype`` the dtype their gradients are reduced in (None:
-    ``param_dtype``). Gradients reach ``.grad`` in the stored dtype."""
+    computed in (None: the stored dtype), and the floating-point tensors passed to each unit are cast to it;
+    ``reduce_dtype`` the dtype their gradients are reduced in (None: ``param_dtype``); ``output_dtype`` the
+    dtype the model's floating-point outputs are cast to (None: as computed). Gradients reach ``.grad`` in the
+    stored dtype."""
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
 
 
 def storage_sbp(name: str, compute: tuple, axis: int, ndim: int) -> tuple | None:
@@ -168,6 +172,7 @@ class ShardedModel:
 
     def __init__(self, root: nn.Module, units: list[tuple[nn.Module, _Unit]], policy: MixedPrecision):
         self.units = [unit for _, unit in units]
+        self.policy = policy
         self.reduce_dtype = policy.reduce_dtype or policy.param_dtype
         self.order: list[_Unit] = []  # the units in the order the last forward entered them
         self.reductions: list = []
@@ -180,15 +185,19 @@ class ShardedModel:
         self.reenabled: list = []  # per unit forward under way: the context that turned torch functions back on
         root.register_forward_pre_hook(lambda m, a: self._begin_step(), prepend=True)
         for module, unit in units:
-            module.register_forward_pre_hook(lambda m, a, unit=unit: self._enter(unit))
+            module.register_forward_pre_hook(lambda m, a, k, unit=unit: self._enter(unit, a, k), with_kwargs=True)
             module.register_forward_hook(lambda m, a, o, unit=unit: self._leave(unit), always_call=True)
-        root.register_forward_hook(lambda m, a, o: self._end_step(), always_call=True)
+        root.register_forward_hook(lambda m, a, o: self._end_step(o), always_call=True)
 
     # forward
-    def _enter(self, unit: _Unit) -> None:
+    def _enter(self, unit: _Unit, args: tuple, kwargs: dict):
+        """Gather ``unit`` and stand its copies in for its parameters; returns the call's arguments, cast to
+        the policy's ``param_dtype``."""
+        if self.policy.param_dtype is not None:
+            args, kwargs = _cast_floats((args, kwargs), self.policy.param_dtype)
         if _traced():
             self._use_converted(unit)
-            return
+            return args, kwargs
         # Backward entered through a global tensor's ``__torch_function__`` runs with torch functions off; a
         # forward recomputed there (activation checkpointing) must see them, as the forward it repeats did.
         reenable = torch._C._EnableTorchFunction() if _in_backward() else contextlib.nullcontext()
@@ -209,6 +218,7 @@ class ShardedModel:
             used = [GlobalTensor(p.full, p.compute) for p in unit.params]
         for p, tensor in zip(unit.params, used):
             p.use(tensor)
+        return args, kwargs
 
     def _use_converted(self, unit: _Unit) -> None:
         for p in unit.params:  # (cast after the gather: Dynamo reads the layout of parameters, not of results)
@@ -238,10 +248,13 @@ class ShardedModel:
             self.saving = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self.saving.__enter__()
 
-    def _end_step(self) -> None:
+    def _end_step(self, output):
         if self.saving is not None:
             self.saving.__exit__(None, None, None)
             self.saving = None
+        if self.policy.output_dtype is not None:
+            return _cast_floats(output, self.policy.output_dtype)
+        return None
 
     def _neighbour(self, unit: _Unit, step: int) -> _Unit | None:
         order = self.order
@@ -328,6 +341,11 @@ class ShardedModel:
         """Bytes on this rank: the most gathered copies alive at once, and the most bytes autograd held saved
         for backward in one step (gathered copies not counted)."""
         return {"gathered_peak": self.peak_gathered, "saved_for_backward_peak": self.peak_saved}
+
+
+def _cast_floats(tree, dtype: torch.dtype):
+    cast = lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
+    return tree_map(cast, tree)
 
 
 def _traced() -> bool:
