@@ -74,12 +74,14 @@ def _sharded_job(mixed_precision=None):
         loss = nn.functional.mse_loss(reference(x), y)
         opt_ref.zero_grad()
         loss.backward()
+        nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
         opt_ref.step()
         want.append(loss.item())
         loss = nn.functional.mse_loss(model(layout(x)), layout(y))
         after_forward.append(_live_gathered_bytes(model))
         opt.zero_grad()
         loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 0.5)  # on the stored (split) gradients
         opt.step()
         got.append(loss.item())
     seen["eager"] = False  # explain traces: no copies, each use a conversion
@@ -103,6 +105,7 @@ def _sharded_job(mixed_precision=None):
 
 @pytest.mark.parametrize("world", [3])
 def test_sharded_data_parallel_trains_like_one_process_and_frees_what_it_gathers(world):
+    """Uneven parts over 3 ranks, AdamW (foreach) and clip_grad_norm_."""
     results = run_on_world(world, _sharded_job)
     for rank, r in enumerate(results):
         torch.testing.assert_close(torch.tensor(r["got"]), torch.tensor(r["want"]), rtol=1e-5, atol=1e-6)
