@@ -91,6 +91,7 @@ def _sharded_job(mixed_precision=None):
         "got": got,
         "params": [(a.detach(), b.full_tensor().detach()) for a, b in zip(reference.parameters(), model.parameters())],
         "local_rows": [q.to_local().shape[0] for q in model.parameters()],
+        "storage_bytes": sum(q._local.untyped_storage().nbytes() for q in model.parameters()),
         "rows": [q.shape[0] for q in model.parameters()],
         "grad_sbps": {q.grad.sbp for q in model.parameters()},
         "grad_dtypes": {q.grad.dtype for q in model.parameters()},
@@ -119,6 +120,7 @@ def test_sharded_data_parallel_trains_like_one_process_and_frees_what_it_gathers
         assert set(r["seen"]["while_block_runs"]) == {r["root_bytes"]}
         report = r["report"]
         assert report.parameters < sum(b.numel() * 4 for _, b in r["params"]) / world + 4 * 64
+        assert r["storage_bytes"] == report.parameters  # no stored part is a view that keeps the whole alive
         assert report.gradients == report.parameters and report.optimizer_state >= 2 * report.parameters
         assert report.gathered_peak == r["root_bytes"] + r["block_bytes"]
         # explain lists the gathers and the gradient reduce-scatters, and no all-reduce of gradients

@@ -51,6 +51,10 @@ def _globalize(name: str, tensor: torch.Tensor, placement: Placement, sbp, memo:
         sbp = storage_sbp(name, compute, sharding[0], tensor.dim()) or compute
     replicated = to_global(tensor.detach(), placement, (broadcast,) * placement.ndim)
     value = replicated.to_global(sbp=sbp).detach()
+    local = value._local
+    if local.untyped_storage().nbytes() > local.numel() * local.element_size():
+        # a split kept as a view of the whole would hold the whole tensor alive on every rank
+        value = GlobalTensor(local.clone(), value._meta)
     if isinstance(tensor, nn.Parameter):
         value = nn.Parameter(value, requires_grad=tensor.requires_grad)
         if sbp != compute:
