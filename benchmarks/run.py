@@ -33,6 +33,7 @@ SUITES = [
     "compile",
     "pipeline",
     "checkpoint",
+    "sharded",
     "pipeline_cuda",
     "gpt_cuda",
 ]
