@@ -16,6 +16,8 @@
 #   model_tests    tests/test_models_gpu.py: transformers models with sdpa attention laid out on the GPU
 #   kernel_bench   benchmarks/kernels/bench.py: against eager, torch.compile and Liger-Kernel (from .whl/)
 #   gpt_cuda       the benchmark suite gpt_cuda (--quick unless GPT_FULL=1): a GPT-2 step, eager, compiled, CUDA graphs
+#   sync_check     benchmarks/sync_check.py: the host synchronisations of global GPT steps under CUDA's sync debug
+#                  mode, each with its stack; fails on any that sbp_torch adds to the plain step's
 #   memcheck       compute-sanitizer memcheck over a few kernel tests
 #   racecheck      compute-sanitizer racecheck over the kernels that share memory
 #   pipeline       tests/test_pipeline_cuda.py and the pipeline_cuda benchmark
@@ -27,7 +29,7 @@ DEADLINE=${DEADLINE:-540}
 LOGS=$OUT/logs
 mkdir -p "$LOGS"
 export MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} PYTHONUNBUFFERED=1
-stages=${*:-build kernel_tests model_tests kernel_bench gpt_cuda memcheck}
+stages=${*:-build kernel_tests model_tests kernel_bench gpt_cuda sync_check memcheck}
 begin=$(date +%s)
 status=0
 
@@ -81,6 +83,7 @@ for s in $stages; do
       stage gpt_cuda 300 $PY -m benchmarks.run --suite gpt_cuda $quick
       cp docs/benchmarks/gpt_cuda.json "$OUT/" 2>/dev/null
       ;;
+    sync_check) stage sync_check 120 $PY benchmarks/sync_check.py ;;
     memcheck)
       stage memcheck 120 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 \
         $PY -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py -k "$MEMCHECK"

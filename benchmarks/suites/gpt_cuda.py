@@ -46,7 +46,7 @@ VARIANTS = [
 ]
 
 
-def _config(cuda: bool, quick: bool) -> dict:
+def config(cuda: bool, quick: bool) -> dict:
     if cuda and not quick:
         return dict(layers=6, hidden=768, heads=12, seq=512, batch=8, vocab=50257, repeats=20)
     if cuda:
@@ -74,14 +74,14 @@ def _example(c: dict):
     return gpt.GPT(c["layers"]), lambda model, ids: model(ids, ids)
 
 
-def _model(name: str, c: dict, device: str):
+def make_model(name: str, c: dict, device: str):
     """(The model, on ``device`` with the same weights every time, and its loss of a batch of token ids.)"""
     torch.manual_seed(0)
     model, loss = (_example if name == "GPT example" else _gpt2)(c)
     return model.to(device).train(), loss
 
 
-def _laid_out(library: str, model, device: str):
+def laid_out(library: str, model, device: str):
     """(The model as ``library`` runs it, the function that lays out a batch, the context its steps run in.)"""
     if library == "sbp_torch":
         import sbp_torch as st
@@ -106,13 +106,13 @@ def _plain(t):
 
 def _measure_variant(name: str, library: str, how: str, c: dict, device: str, batches: list, sync) -> dict:
     torch._dynamo.reset()
-    model, loss_of = _model(name, c, device)
-    model, lay_out, context = _laid_out(library, model, device)
+    model, loss_of = make_model(name, c, device)
+    model, lay_out, context = laid_out(library, model, device)
     if how != "eager":
         mode = "reduce-overhead" if "CUDA graphs" in how else None
         model.forward = torch.compile(model.forward, backend="inductor", fullgraph=True, dynamic=False, mode=mode)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-    laid_out = [lay_out(ids) for ids in batches]
+    laid_out_batches = [lay_out(ids) for ids in batches]
 
     def step(ids):
         with context():
@@ -123,16 +123,16 @@ def _measure_variant(name: str, library: str, how: str, c: dict, device: str, ba
         return loss
 
     start = time.perf_counter()
-    losses = [float(_plain(step(ids)).detach()) for ids in laid_out]  # the first includes compilation
+    losses = [float(_plain(step(ids)).detach()) for ids in laid_out_batches]  # the first includes compilation
     first_s = time.perf_counter() - start
-    stat = harness.timed_local(lambda: step(laid_out[0]), repeats=c["repeats"], warmup=2, sync=sync)  # one rank
+    stat = harness.timed_local(lambda: step(laid_out_batches[0]), repeats=c["repeats"], warmup=2, sync=sync)  # one rank
     return {"first_steps_s": round(first_s, 2), "losses": losses, **stat}
 
 
 def measure(world: int, quick: bool) -> list[dict]:
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
-    c = _config(cuda, quick)
+    c = config(cuda, quick)
     generator = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, c["vocab"], (c["batch"], c["seq"]), generator=generator).to(device) for _ in range(3)]
     sync = torch.cuda.synchronize if cuda else None

@@ -16,11 +16,16 @@ from ._faults import collective_failed
 def agree(what: str, agreed, local_shape: tuple[int, ...], check: bool) -> list[tuple[int, ...]]:
     """All-gather ``(agreed, local_shape)`` over the world; return every rank's ``local_shape`` (these may
     differ). When ``check``, raise ValueError on every rank if some rank's ``agreed`` (a picklable value) differs
-    from rank 0's, naming those ranks; ``what`` names the checked call in messages."""
+    from rank 0's, naming those ranks; ``what`` names the checked call in messages. In a world of one rank nothing
+    is exchanged, so nothing waits for a GPU."""
     if compiling():
         local_shape = tuple(int(s) for s in local_shape)
         gathered = agree_while_compiling((what, agreed, local_shape), (agreed, local_shape))
         return _checked(what, gathered, check)
+    if dist.get_world_size() == 1:
+        # Nothing to compare, and the exchange is not free: all_gather_object through NCCL copies the object to
+        # the GPU and back, which waits for the GPU five times, in every step that lays out its batch (issue #29).
+        return [tuple(local_shape)]
     gathered = [None] * dist.get_world_size()
     try:
         with _disable_current_modes():
