@@ -10,9 +10,9 @@ A unit's gradients are reduce-scattered together, started as soon as backward ha
 when backward ends. While a unit computes, the next one's gather is in flight (forward order in forward, the
 reverse in backward).
 
-Traced (``torch.compile``, ``explain``), each use is a plain conversion ``stored -> compute`` inside the
-program: the all-gather in its forward, the reduce-scatter of the gradient in its backward, where the compiler
-schedules and frees them."""
+Traced by ``explain``, each use is a plain conversion ``stored -> compute``: the all-gather in its forward, the
+reduce-scatter of the gradient in its backward. Inside a ``torch.compile``'d graph the hooks raise
+``NotImplementedError`` naming what to do instead."""
 
 from __future__ import annotations
 
@@ -221,6 +221,14 @@ class ShardedModel:
         return args, kwargs
 
     def _use_converted(self, unit: _Unit) -> None:
+        if torch.compiler.is_compiling():
+            # Dynamo cannot yet trace these conversions from the hooks; where the graph may break, the hook
+            # runs eagerly instead and gathers as above.
+            raise NotImplementedError(
+                "a model laid out with Module.to_global(..., shard=axis) cannot run inside a torch.compile'd "
+                "graph yet (docs/training.md): compile without fullgraph=True, so that each unit's gather runs "
+                "eagerly between the compiled graphs, or run the model eagerly"
+            )
         for p in unit.params:  # (cast after the gather: Dynamo reads the layout of parameters, not of results)
             p.use(p.stored.to_global(sbp=p.compute.sbp).to(p.compute.dtype))
 
