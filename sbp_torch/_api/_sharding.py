@@ -222,12 +222,10 @@ class ShardedModel:
 
     def _use_converted(self, unit: _Unit) -> None:
         if torch.compiler.is_compiling():
-            # Dynamo cannot yet trace these conversions from the hooks; where the graph may break, the hook
-            # runs eagerly instead and gathers as above.
+            # Dynamo cannot yet trace these conversions from the hooks (it fails inside the boxing function)
             raise NotImplementedError(
                 "a model laid out with Module.to_global(..., shard=axis) cannot run inside a torch.compile'd "
-                "graph yet (docs/training.md): compile without fullgraph=True, so that each unit's gather runs "
-                "eagerly between the compiled graphs, or run the model eagerly"
+                "graph yet (docs/training.md): run it eagerly"
             )
         for p in unit.params:  # (cast after the gather: Dynamo reads the layout of parameters, not of results)
             p.use(p.stored.to_global(sbp=p.compute.sbp).to(p.compute.dtype))
