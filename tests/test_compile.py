@@ -144,6 +144,29 @@ def test_to_global_inside_a_compiled_program():
     run_on_world(3, _to_global_inside, [0, 1, 2])
 
 
+def _to_global_under_global_mode(ranks):
+    p = st.placement("cpu", ranks)
+    x, w1 = layout(X, p, S(0)), layout(W1, p, S(0)).detach().requires_grad_()
+    w2_part = W2.tensor_split(len(ranks))[torch.distributed.get_rank()]
+    ref_w1 = W1.clone().requires_grad_()
+
+    def program(x, w1, w2_part):
+        # Dynamo hands the method to the torch function mode, which calls it as a function; and the function form
+        with st.global_mode(p, B):
+            return mlp_loss(x, w1.to_global(sbp=B), st.to_global(w2_part, p, S(0)))
+
+    loss = compiled(program)(x, w1, w2_part)
+    loss.backward()
+    want = mlp_loss(X, ref_w1, W2)
+    want.backward()
+    torch.testing.assert_close(loss.full_tensor(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w1.grad.full_tensor(), ref_w1.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_to_global_under_global_mode_inside_a_compiled_program():
+    run_on_world(3, _to_global_under_global_mode, [0, 1, 2])
+
+
 def _across_placements():
     line, pair = st.placement("cpu", [0, 1, 2]), st.placement("cpu", [2, 0])
     layout(X, pair, B)  # the process groups of a placement are made outside the compiled program

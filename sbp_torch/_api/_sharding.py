@@ -10,9 +10,11 @@ A unit's gradients are reduce-scattered together, started as soon as backward ha
 when backward ends. While a unit computes, the next one's gather is in flight (forward order in forward, the
 reverse in backward).
 
-Traced by ``explain``, each use is a plain conversion ``stored -> compute``: the all-gather in its forward, the
-reduce-scatter of the gradient in its backward. Inside a ``torch.compile``'d graph the hooks raise
-``NotImplementedError`` naming what to do instead."""
+Traced (``torch.compile``, ``explain``), each module that holds a sharded parameter converts it for its own
+call, a plain conversion ``stored -> compute`` inside the program: the all-gather in its forward, the
+reduce-scatter of the gradient in its backward, where the compiler schedules and frees them. (Per holding
+module, not per unit: ``torch.compile(model)`` runs the root's own hooks outside the compiled forward, as
+frames of their own, but the hooks of the modules called inside it within it.)"""
 
 from __future__ import annotations
 
@@ -188,6 +190,14 @@ class ShardedModel:
             module.register_forward_pre_hook(lambda m, a, k, unit=unit: self._enter(unit, a, k), with_kwargs=True)
             module.register_forward_hook(lambda m, a, o, unit=unit: self._leave(unit), always_call=True)
         root.register_forward_hook(lambda m, a, o: self._end_step(o), always_call=True)
+        held: dict[nn.Module, list] = {}
+        for _, unit in units:
+            for p in unit.params:
+                for module, name in p.owners:
+                    held.setdefault(module, []).append((name, p, unit))
+        for module, entries in held.items():
+            module.register_forward_pre_hook(lambda m, a, entries=entries: self._convert(m, entries))
+            module.register_forward_hook(lambda m, a, o, entries=entries: self._restore(m, entries), always_call=True)
 
     # forward
     def _enter(self, unit: _Unit, args: tuple, kwargs: dict):
@@ -196,7 +206,6 @@ class ShardedModel:
         if self.policy.param_dtype is not None:
             args, kwargs = _cast_floats((args, kwargs), self.policy.param_dtype)
         if _traced():
-            self._use_converted(unit)
             return args, kwargs
         # Backward entered through a global tensor's ``__torch_function__`` runs with torch functions off; a
         # forward recomputed there (activation checkpointing) must see them, as the forward it repeats did.
@@ -220,26 +229,33 @@ class ShardedModel:
             p.use(tensor)
         return args, kwargs
 
-    def _use_converted(self, unit: _Unit) -> None:
-        if torch.compiler.is_compiling():
-            # Dynamo cannot yet trace these conversions from the hooks (it fails inside the boxing function)
-            raise NotImplementedError(
-                "a model laid out with Module.to_global(..., shard=axis) cannot run inside a torch.compile'd "
-                "graph yet (docs/training.md): run it eagerly"
-            )
-        for p in unit.params:  # (cast after the gather: Dynamo reads the layout of parameters, not of results)
-            p.use(p.stored.to_global(sbp=p.compute.sbp).to(p.compute.dtype))
-
     def _leave(self, unit: _Unit) -> None:
-        for p in unit.params:
-            p.use(None)
         if _traced():
             return
+        for p in unit.params:
+            p.use(None)
         self.reenabled.pop().__exit__(None, None, None)
         # A forward recomputed inside backward (activation checkpointing) keeps its copies: the recomputed
         # tensors saved for the rest of this backward lie in them; the unit's gradient reduction frees them.
         if not _in_backward():
             unit.free()
+
+    def _convert(self, module: nn.Module, entries: list) -> None:
+        """Traced: ``module`` sees its sharded parameters converted to their compute layout for this call, but
+        those of a unit gathered eagerly (its hooks ran outside the compiled program: ``model.forward``
+        compiled, not the root's hooks)."""
+        if not _traced():
+            return
+        for name, p, unit in entries:
+            if not unit.gathered:  # (cast first: gathered in the compute dtype, as eagerly)
+                module._parameters[name] = p.stored.to(p.compute.dtype).to_global(sbp=p.compute.sbp)
+
+    def _restore(self, module: nn.Module, entries: list) -> None:
+        if not _traced():
+            return
+        for name, p, unit in entries:
+            if not unit.gathered:
+                module._parameters[name] = p.stored
 
     def _begin_step(self) -> None:
         """A forward of the whole model starts: copies gathered before it may be stale (an optimizer step

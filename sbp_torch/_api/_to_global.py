@@ -6,6 +6,7 @@ balanced parts that a global tensor holds, and the gradient comes back cut like 
 
 import torch
 import torch.distributed as dist
+from torch.compiler import is_dynamo_compiling
 
 from .. import _comm as comm
 from .._boxing import box_local, cross_target
@@ -163,6 +164,14 @@ def to_global(x: torch.Tensor, placement: Placement | None = None, sbp=None, *, 
     Every rank of the default process group must make the same call (ranks outside the placement too).
     Differentiable: the gradient comes back in the input's layout (see ``gradient_sbp``).
     """
+    if is_dynamo_compiling() and isinstance(x, torch.Tensor):
+        # Dynamo records ``x.to_global(...)`` as one call of the method, which AOTAutograd runs through the
+        # dispatcher; it cannot trace this body (process-group caches, placements as keys), which it inlines
+        # where the call comes as a function: written so, or passed on by a torch function mode (Dynamo, when
+        # imported after sbp_torch, takes the method for one of torch's and hands it to the modes; eager never
+        # does). Called as the method, with that mode off while it handles the call, it is recorded (or handed
+        # to the next mode, which comes back here).
+        return x.to_global(placement, sbp, check_meta=check_meta)
     if isinstance(x, GlobalTensor):
         if placement is not None and placement != x.placement:
             dst_meta = cross_target(x._meta, placement, sbp)  # checked before any data moves
