@@ -4,11 +4,11 @@ A sharded parameter is *stored* split over the data axis (the optimizer, ``state
 the stored parts) and *used* in its compute layout, the plan's SBP (broadcast on the data axis). The modules of
 a model are grouped into units (by default the root and each child of an ``nn.ModuleList``: the blocks of a
 transformer). A unit's parameters are gathered together, by one all-gather, when its forward starts; the
-gathered copies stand in for the parameters during that forward and are freed when it ends, so autograd keeps no
-gathered weight alive: a tensor it saves that lies in a gathered copy is gathered again when backward reads it.
-A unit's gradients are reduce-scattered together, started as soon as backward has produced them and finished
-when backward ends. While a unit computes, the next one's gather is in flight (forward order in forward, the
-reverse in backward).
+gathered copies stand in for the parameters during that forward and are freed when it ends (the root's when its
+gradients are reduced), so autograd keeps no gathered weight alive: a tensor it saves that lies in a gathered copy
+is gathered again when backward reads it. A unit's gradients are reduce-scattered together, started as soon as
+backward has produced them and finished when the next unit's start (or backward ends). While a unit computes,
+the next one's gather is in flight (forward order in forward, the reverse in backward).
 
 Traced (``torch.compile``, ``explain``), each module that holds a sharded parameter converts it for its own
 call, a plain conversion ``stored -> compute`` inside the program: the all-gather in its forward, the
@@ -174,6 +174,7 @@ class ShardedModel:
 
     def __init__(self, root: nn.Module, units: list[tuple[nn.Module, _Unit]], policy: MixedPrecision):
         self.units = [unit for _, unit in units]
+        self.root_unit = next((unit for module, unit in units if module is root), None)
         self.policy = policy
         self.reduce_dtype = policy.reduce_dtype or policy.param_dtype
         self.order: list[_Unit] = []  # the units in the order the last forward entered them
@@ -237,7 +238,9 @@ class ShardedModel:
         self.reenabled.pop().__exit__(None, None, None)
         # A forward recomputed inside backward (activation checkpointing) keeps its copies: the recomputed
         # tensors saved for the rest of this backward lie in them; the unit's gradient reduction frees them.
-        if not _in_backward():
+        # The root's copies are kept for the backward that follows at once (as FSDP2 keeps its root's).
+        keep = unit is self.root_unit and torch.is_grad_enabled() and unit.params[0].stored.requires_grad
+        if not _in_backward() and not keep:
             unit.free()
 
     def _convert(self, module: nn.Module, entries: list) -> None:
@@ -341,6 +344,8 @@ class ShardedModel:
                 torch.cat(parts, out=send[k, : sum(part.numel() for part in parts)])
             finish = comm.start_reduce_scatter_rows(send, "sum", unit.group)
             self.reductions.append((unit, bucket, finish))
+            while len(self.reductions) > 1:  # one in flight while backward goes on: buffers do not pile up
+                self._finish(*self.reductions.pop(0))
         if not self.flush_queued:
             self.flush_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_reductions)
@@ -350,14 +355,17 @@ class ShardedModel:
         for unit in self.units:  # a gather started for a backward that no longer needs it
             unit.drop_in_flight()
         reductions, self.reductions = self.reductions, []
-        for unit, bucket, finish in reductions:
-            mine, offset = finish(), 0
-            for p in bucket:
-                shape = list(p.shape)
-                shape[p.dim] = p.sizes[unit.index]
-                n = p.numels[unit.index]
-                _accumulate(p, mine[offset : offset + n].view(shape))
-                offset += n
+        for reduction in reductions:
+            self._finish(*reduction)
+
+    def _finish(self, unit: _Unit, bucket: list, finish) -> None:
+        mine, offset = finish(), 0
+        for p in bucket:
+            shape = list(p.shape)
+            shape[p.dim] = p.sizes[unit.index]
+            n = p.numels[unit.index]
+            _accumulate(p, mine[offset : offset + n].view(shape))
+            offset += n
 
     def memory(self) -> dict:
         """Bytes on this rank: the most gathered copies alive at once, and the most bytes autograd held saved
