@@ -54,6 +54,7 @@ FSDP2's; losses within 1e-5 relative of one process.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -280,6 +281,48 @@ def _reference_losses(case: Case, batches: list[dict]) -> list[float]:
     return [trainer.step(batch) for batch in batches]
 
 
+def _timeline(case: Case, batches: list[dict]) -> list[tuple[float, str, str]]:
+    """One sharded training step's events on this rank (after two steps that fill the caches), times in ms from the
+    step's start: each unit's gathers, forward, backward and gradient reduce-scatter."""
+    trainer = _sbp_torch(case, 0, None)
+    for batch in batches[:2]:
+        trainer.step(batch)
+    events: list = []
+    trainer.model._sbp_torch_sharded.record_timeline(events)
+    start = time.perf_counter()
+    trainer.step(batches[2])
+    trainer.model._sbp_torch_sharded.record_timeline(None)
+    return [(round((t - start) * 1e3, 2), unit or "root", event) for t, unit, event in events]
+
+
+# What a timeline's row shows between two events of its unit, drawn in this order (later ones on top).
+SPANS = [("gather begun", "gathered", "g"), ("forward begun", "forward done", "F"),
+         ("gathered", "backward done", "B"), ("reduce-scatter begun", "reduced", "r")]  # fmt: skip
+
+
+def _render_timeline(events: list, width: int = 96) -> str:
+    """A text chart, a row per unit: ``g`` a gather in flight, ``F`` its forward, ``B`` its backward (from its
+    parameters gathered again to its gradients made), ``r`` its gradients' reduce-scatter in flight."""
+    end = max(t for t, _, _ in events) or 1.0
+    units = list(dict.fromkeys(u for _, u, _ in events))
+    lines = []
+    for unit in units:
+        row = [" "] * width
+        mine = [(t, e) for t, u, e in events if u == unit]
+        for first, last, mark in SPANS:
+            for i, (t, e) in enumerate(mine):
+                if e != first:
+                    continue
+                if mark == "B" and not any(e2 == "forward done" for _, e2 in mine[:i]):
+                    continue  # a gather for the forward, not the backward
+                stop = next((t2 for t2, e2 in mine[i + 1 :] if e2 == last), t)
+                for c in range(int(t / end * (width - 1)), int(stop / end * (width - 1)) + 1):
+                    row[c] = mark
+        lines.append(f"{unit:10} |{''.join(row)}|")
+    lines.append(f"{'':10}  0 ms{' ' * (width - 12)}{end:6.1f} ms")
+    return "\n".join(lines)
+
+
 def measure(world: int, quick: bool) -> list[dict]:
     code = code_state()  # at the start: the code this process imported
     warmup, repeats = QUICK_STEPS if quick else STEPS
@@ -318,6 +361,9 @@ def measure(world: int, quick: bool) -> list[dict]:
                     else f"failed: {variant.error}"
                 )
                 print(f"  {case.name:26} {name:13} {what}", flush=True)
+        if case.name == "GPT example":
+            timeline = _timeline(case, batches)
+            next(r for r in rows if r["model"] == case.name and r["variant"] == "sharded")["timeline"] = timeline
         for name, fp32 in BF16_OF.items():  # bf16 spread against the same library's float32 run
             got, base = (next(r for r in rows[-len(VARIANTS) :] if r["variant"] == v) for v in (name, fp32))
             if got["error"] is None and base["error"] is None:
@@ -388,6 +434,14 @@ def report(rows: list[dict]) -> str:
         ]
         parts.append(harness.markdown_table(header, table))
         parts.append(_targets(by))
+    for row in rows:
+        if row.get("timeline"):
+            parts.append(
+                f"### One sharded step on rank 0, {row['model']}\n\nEach row a unit: `g` its parameters' all-gather "
+                "in flight, `F` its forward, `B` its backward (from its parameters gathered again to its gradients "
+                "made), `r` its gradients' reduce-scatter in flight. A gather that begins while another unit computes "
+                "overlaps that compute.\n\n```\n" + _render_timeline(row["timeline"]) + "\n```"
+            )
     four = [r for r in rows if r["world"] == 4]
     parts.append(
         f"Each rank uses {four[0]['threads'] if four else '?'} thread(s); the 4 ranks share the machine's cores. "

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -93,6 +94,7 @@ class _Unit:
         self.row = max(sum(p.numels[k] for p in params) for k in range(self.group.size))
         self.in_flight = None  # finish() of a started gather
         self.gathered = False
+        self.timeline: list | None = None  # where events go, when a timeline is recorded
 
     @property
     def nbytes(self) -> int:
@@ -109,6 +111,7 @@ class _Unit:
             row[offset : offset + n].copy_(p.stored._local.reshape(-1))
             offset += n
         self.in_flight = comm.start_gather_rows(row, self.group)
+        self.note("gather begun")
 
     def ensure(self) -> None:
         """Wait for the gather (starting it if need be) and fill each parameter's gathered copy."""
@@ -130,6 +133,11 @@ class _Unit:
                 p.full.untyped_storage().resize_(p.full.numel() * p.full.element_size())
             torch.cat(parts, dim=p.dim, out=p.full)
         self.gathered = True
+        self.note("gathered")
+
+    def note(self, event: str) -> None:
+        if self.timeline is not None:
+            self.timeline.append((time.perf_counter(), self.name, event))
 
     def drop_in_flight(self) -> None:
         """Wait for a gather nobody will read (its values may be stale) and forget it: every rank still waits
@@ -224,6 +232,7 @@ class ShardedModel:
         stored = [p.stored for p in unit.params]
         if torch.is_grad_enabled() and any(s.requires_grad for s in stored):
             used = _GatherForUse.apply(self, unit, *stored)
+            unit.note("forward begun")
         else:
             used = [GlobalTensor(p.full, p.compute) for p in unit.params]
         for p, tensor in zip(unit.params, used):
@@ -235,6 +244,7 @@ class ShardedModel:
             return
         for p in unit.params:
             p.use(None)
+        unit.note("forward done")
         self.reenabled.pop().__exit__(None, None, None)
         # A forward recomputed inside backward (activation checkpointing) keeps its copies: the recomputed
         # tensors saved for the rest of this backward lie in them; the unit's gradient reduction frees them.
@@ -323,6 +333,7 @@ class ShardedModel:
         """Begin reducing the gradients of ``unit``'s gathered copies into its stored parameters' ``.grad``: a
         gradient partial (sum) on the data axis and laid out like the copy elsewhere joins the unit's one
         reduce-scatter; another is boxed to the stored layout alone."""
+        unit.note("backward done")
         bucket, rows = [], [[] for _ in range(unit.group.size)]
         for p, grad in zip(unit.params, grads):
             if grad is None:
@@ -343,6 +354,7 @@ class ShardedModel:
             for k, parts in enumerate(rows):
                 torch.cat(parts, out=send[k, : sum(part.numel() for part in parts)])
             finish = comm.start_reduce_scatter_rows(send, "sum", unit.group)
+            unit.note("reduce-scatter begun")
             self.reductions.append((unit, bucket, finish))
             while len(self.reductions) > 1:  # one in flight while backward goes on: buffers do not pile up
                 self._finish(*self.reductions.pop(0))
@@ -366,6 +378,13 @@ class ShardedModel:
             n = p.numels[unit.index]
             _accumulate(p, mine[offset : offset + n].view(shape))
             offset += n
+        unit.note("reduced")
+
+    def record_timeline(self, events: list | None) -> None:
+        """Append ``(time.perf_counter(), unit name, event)`` to ``events`` from now on (None: stop): each unit's
+        gathers begun and done, forward begun and done, backward done, reduce-scatters begun and done."""
+        for unit in self.units:
+            unit.timeline = events
 
     def memory(self) -> dict:
         """Bytes on this rank: the most gathered copies alive at once, and the most bytes autograd held saved
