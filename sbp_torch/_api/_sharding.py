@@ -169,6 +169,7 @@ class _GatherForUse(torch.autograd.Function):
     @staticmethod
     def forward(ctx, sharded, unit, *stored):
         ctx.sharded, ctx.unit = sharded, unit
+        ctx.set_materialize_grads(False)  # a copy no gradient reached gets none, not a tensor of zeros
         return tuple(GlobalTensor(p.full, p.compute) for p in unit.params)
 
     @staticmethod
@@ -334,7 +335,7 @@ class ShardedModel:
         gradient partial (sum) on the data axis and laid out like the copy elsewhere joins the unit's one
         reduce-scatter; another is boxed to the stored layout alone."""
         unit.note("backward done")
-        bucket, rows = [], [[] for _ in range(unit.group.size)]
+        bucket = []
         for p, grad in zip(unit.params, grads):
             if grad is None:
                 continue
@@ -342,22 +343,24 @@ class ShardedModel:
             on_axis = grad.sbp[unit.axis]
             elsewhere = all(g == c for a, (g, c) in enumerate(zip(grad.sbp, p.compute.sbp)) if a != unit.axis)
             if elsewhere and isinstance(on_axis, Partial) and on_axis.op == "sum":
-                for k, part in enumerate(local.split(p.sizes, dim=p.dim)):
-                    rows[k].append(part.reshape(-1))
-                bucket.append(p)
+                bucket.append((p, local))
             else:
                 meta = GlobalMeta(grad._meta.shape, local.dtype, grad.placement, grad.sbp)
                 _accumulate(p, box_local(local, meta, p.stored.sbp))
         unit.free()
+        while self.reductions:  # one in flight while backward goes on: buffers do not pile up
+            self._finish(*self.reductions.pop(0))
         if bucket:
-            send = rows[0][0].new_zeros((len(rows), unit.row))
-            for k, parts in enumerate(rows):
-                torch.cat(parts, out=send[k, : sum(part.numel() for part in parts)])
+            send = bucket[0][1].new_zeros((unit.group.size, unit.row))
+            offsets = [0] * unit.group.size
+            for p, local in bucket:  # each part straight into its slot (a transposed gradient is copied once)
+                for k, part in enumerate(local.split(p.sizes, dim=p.dim)):
+                    send[k, offsets[k] : offsets[k] + part.numel()].view(part.shape).copy_(part)
+                    offsets[k] += part.numel()
+            bucket = [p for p, _ in bucket]
             finish = comm.start_reduce_scatter_rows(send, "sum", unit.group)
             unit.note("reduce-scatter begun")
             self.reductions.append((unit, bucket, finish))
-            while len(self.reductions) > 1:  # one in flight while backward goes on: buffers do not pile up
-                self._finish(*self.reductions.pop(0))
         if not self.flush_queued:
             self.flush_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_reductions)
