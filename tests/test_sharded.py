@@ -222,3 +222,21 @@ def test_bad_sharding_input_is_refused_at_to_global_naming_the_problem():
         assert "head.weight" in errors[0] and "partial" in errors[0]
         assert "shard must be a placement axis" in errors[1]
         assert "give shard=" in errors[2]
+
+
+def _cast_backward_job():
+    import warnings
+
+    p = st.placement.all("cpu")
+    x = torch.arange(10.0).reshape(5, 2).to_global(p, broadcast).to_global(sbp=split(0)).requires_grad_()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        (x.to(torch.bfloat16).float() * 3).sum().backward()
+    return [str(w.message) for w in caught], x.grad.full_tensor()
+
+
+def test_the_backward_of_a_cast_runs_on_the_parts():
+    """The mixed-precision casts' backward (``.to`` naming the device) is decided, not run on gathered inputs."""
+    for messages, grad in run_on_world(2, _cast_backward_job):
+        assert not [m for m in messages if "gathered" in m]
+        assert torch.equal(grad, torch.full((5, 2), 3.0))

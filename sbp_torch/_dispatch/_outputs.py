@@ -94,6 +94,8 @@ class UnknownOutputs(Exception):
 
 
 def _on_meta(value):
+    if isinstance(value, torch.device):  # a cast's target device (the backward of ``.to(dtype)`` names it)
+        return torch.device("meta")
     if isinstance(value, GlobalTensor):
         return torch.empty(value.shape, dtype=value.dtype, device="meta")
     if isinstance(value, torch.Tensor):
