@@ -137,7 +137,7 @@ def test_mixed_precision_gathers_in_bfloat16_and_keeps_float32_state():
         torch.testing.assert_close(torch.tensor(r["got"]), torch.tensor(r["want"]), rtol=3e-2, atol=1e-2)
 
 
-def _gpt_2x2_job(checkpointing: bool):
+def _gpt_2x2_job(checkpointing: bool, shard: int | None = 0):
     import gpt
 
     torch.manual_seed(0)
@@ -145,7 +145,7 @@ def _gpt_2x2_job(checkpointing: bool):
     model = copy.deepcopy(reference)
     want = gpt.train(reference, 3)
     placement, plan, batch_sbp = gpt.plans(4)["dp_tp"]
-    model.to_global(placement, plan, shard=0)
+    model.to_global(placement, plan, shard=shard)
     if checkpointing:
         blocks = list(model.blocks)
 
@@ -159,9 +159,14 @@ def _gpt_2x2_job(checkpointing: bool):
     return want, gpt.train(model, 3, layout)
 
 
-@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "activation-checkpointing"])
-def test_sharded_data_parallel_with_tensor_parallel_on_2x2_trains_gpt_like_one_process(checkpointing):
-    for want, got in run_on_world(4, _gpt_2x2_job, checkpointing):
+@pytest.mark.parametrize(
+    "checkpointing,shard",
+    [(False, 0), (True, 0), (True, None)],
+    ids=["sharded", "sharded-activation-checkpointing", "replicated-activation-checkpointing"],
+)
+def test_data_parallel_with_tensor_parallel_on_2x2_trains_gpt_like_one_process(checkpointing, shard):
+    """Sharded or not; activation checkpointing recomputes the blocks in backward as their forward ran."""
+    for want, got in run_on_world(4, _gpt_2x2_job, checkpointing, shard):
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
 
 

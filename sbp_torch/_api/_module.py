@@ -16,7 +16,8 @@ from .._layout import GlobalMeta, Placement, broadcast, normalize_sbp
 from .._tensor import GlobalTensor
 from ._global_mode import GlobalMode
 from ._gradient_reducer import GradientReducer
-from ._sharding import MixedPrecision, shard_model, storage_sbp
+from ._recompute import TorchFunctionsInRecompute
+from ._sharding import MixedPrecision, default_units, shard_model, storage_sbp
 from ._to_global import to_global
 
 
@@ -128,6 +129,10 @@ def module_to_global(
     if params:
         GradientReducer(params, bucket_mb)
     ForwardInGlobalMode.install(module)
+    modules = dict(module.named_modules())
+    blocks = [name for name in default_units(module) if name]
+    blocks += [name for name in modules if any(fnmatch.fnmatchcase(name, p) for p in units or [])]
+    TorchFunctionsInRecompute.install(modules[name] for name in blocks)
     if sharding is not None:
         module._sbp_torch_sharded = shard_model(module, sharding[2], shard, units, sharding[1])
     return module

@@ -18,7 +18,6 @@ frames of their own, but the hooks of the modules called inside it within it.)""
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import math
 import time
@@ -194,7 +193,6 @@ class ShardedModel:
         self.saved: dict[int, int] = {}  # storage -> bytes, of what autograd saved in this step's forward
         self.peak_saved = 0
         self.saving = None
-        self.reenabled: list = []  # per unit forward under way: the context that turned torch functions back on
         root.register_forward_pre_hook(lambda m, a: self._begin_step(), prepend=True)
         for module, unit in units:
             module.register_forward_pre_hook(lambda m, a, k, unit=unit: self._enter(unit, a, k), with_kwargs=True)
@@ -217,11 +215,6 @@ class ShardedModel:
             args, kwargs = _cast_floats((args, kwargs), self.policy.param_dtype)
         if _traced():
             return args, kwargs
-        # Backward entered through a global tensor's ``__torch_function__`` runs with torch functions off; a
-        # forward recomputed there (activation checkpointing) must see them, as the forward it repeats did.
-        reenable = torch._C._EnableTorchFunction() if _in_backward() else contextlib.nullcontext()
-        reenable.__enter__()
-        self.reenabled.append(reenable)
         unit.ensure()
         self._register(unit)
         self._note_gathered()
@@ -246,7 +239,6 @@ class ShardedModel:
         for p in unit.params:
             p.use(None)
         unit.note("forward done")
-        self.reenabled.pop().__exit__(None, None, None)
         # A forward recomputed inside backward (activation checkpointing) keeps its copies: the recomputed
         # tensors saved for the rest of this backward lie in them; the unit's gradient reduction frees them.
         # The root's copies are kept for the backward that follows at once (as FSDP2 keeps its root's).
