@@ -54,7 +54,9 @@ LAYOUTS = {
         1,
     ),
     "interleaved stages": ("two per rank, round robin", None, None, 1),
+    "sharded data parallel stages": ([[0, 1], [2, 3]], None, split(0), 2),
 }
+SHARDED = {"sharded data parallel stages"}  # stages laid out with shard=0: parameters split, gathered on use
 
 
 def _pipelined(world: int, layout: str, schedule: str, micro_batches: int, rows: int, device: str = "cpu"):
@@ -64,7 +66,8 @@ def _pipelined(world: int, layout: str, schedule: str, micro_batches: int, rows:
     stages = []
     for s, group in enumerate(ranks):
         stage = nn.Sequential(*(m for layer in layers[s * per_stage : (s + 1) * per_stage] for m in layer))
-        stages.append(stage.to_global(st.placement(device, group), plans[s] if plans else None))
+        shard = 0 if layout in SHARDED else None
+        stages.append(stage.to_global(st.placement(device, group), plans[s] if plans else None, shard=shard))
     pipe = Pipeline(stages, nn.functional.mse_loss, micro_batches, schedule, input_sbp=input_sbp, target_sbp=input_sbp)
     params = [p for stage in stages for p in stage.parameters()]
     opt = torch.optim.Adam(params, lr=0.01)
@@ -94,6 +97,7 @@ CASES = [
     (4, "one rank per stage", "1f1b", 6, 11),  # uneven: 2, 2, 2, 2, 2, 1
     (4, "one rank per stage", "gpipe", 4, 8),
     (4, "data parallel stages", "1f1b", 4, 12),
+    (4, "sharded data parallel stages", "1f1b", 4, 12),
     (4, "tensor parallel stages", "gpipe", 3, 6),
     (2, "interleaved stages", "1f1b", 5, 9),  # uneven: 2, 2, 2, 2, 1
     (4, "interleaved stages", "gpipe", 4, 8),

@@ -445,6 +445,8 @@ def shard_model(
             seen = owner_unit.setdefault(id(tensor), nearest)
             if seen != nearest:  # tied across units: the root gathers it for the whole forward
                 owner_unit[id(tensor)] = ""
+    if not computes or next(iter(computes.values()))[1].placement.local_coord() is None:
+        return None  # not a rank of the placement (another pipeline stage's): it never runs the model
     groups: dict[str, list[_ShardedParameter]] = {}
     for key, (param, compute) in computes.items():
         groups.setdefault(owner_unit[key], []).append(_ShardedParameter(param, compute, axis, owners[key]))
