@@ -107,25 +107,12 @@ def broadcast(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
 
 def all_gather(rows: torch.Tensor, group: AxisGroup) -> torch.Tensor:
     """Every rank's equal ``rows`` end to end along dim 0, in torch's group order."""
-    if _issue("all-gather", group, rows):
-        return _functional.wait_tensor(_functional.all_gather_into_tensor(rows, group.size, _name(group)))
-    out = rows.new_empty((rows.shape[0] * group.size, *rows.shape[1:]))
-    run("all-gather", group, rows, lambda: _all_gather_even(out, rows, group.process_group))
-    return out
+    return start_all_gather(rows, group)()
 
 
 def reduce_scatter(send: torch.Tensor, op: str, group: AxisGroup) -> torch.Tensor:
     """Reduce ``send`` over the group with ``op``; this rank keeps its equal slice of dim 0 (group order)."""
-    if _issue(f"reduce-scatter({op})", group, send):
-        return _functional.wait_tensor(_functional.reduce_scatter_tensor(send, op, group.size, _name(group)))
-    out = send.new_empty((send.shape[0] // group.size, *send.shape[1:]))
-    run(
-        f"reduce-scatter({op})",
-        group,
-        send,
-        lambda: _reduce_scatter_even(out, send, _REDUCE_OPS[op], group.process_group),
-    )
-    return out
+    return start_reduce_scatter(send, op, group)()
 
 
 def all_to_all(send: torch.Tensor, out_counts: list[int], in_counts: list[int], what: str, group: AxisGroup):
