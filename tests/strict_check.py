@@ -26,7 +26,8 @@ def strict(fn):
 @contextlib.contextmanager
 def recording_collectives(*names):
     """The calls of the named collectives of ``sbp_torch._comm`` (``"all_reduce"``, ...), recorded as
-    ``(name, input shape)`` in the yielded list while the block runs."""
+    ``(name, input shape)`` in the yielded list while the block runs (for a collective of several tensors, as
+    ``start_reduce_scatter_parts``, the number of tensors stands for the shape)."""
     from sbp_torch import _comm as _collectives
 
     calls = []
@@ -34,7 +35,7 @@ def recording_collectives(*names):
 
     def recording(name, collective):
         def run(x, *args):
-            calls.append((name, tuple(x.shape)))
+            calls.append((name, tuple(x.shape) if isinstance(x, torch.Tensor) else len(x)))
             return collective(x, *args)
 
         return run

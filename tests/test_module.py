@@ -124,7 +124,7 @@ def test_buckets_reduce_during_backward(mesh, input_sbp, optimizer_name, foreach
 def _sharded_data_parallel(mesh, input_sbp, bucket_mb):
     """``_compare_training`` with every parameter split on the first axis (ZeRO / FSDP style), counting the
     reduce-scatters that gradient reduction runs."""
-    with recording_collectives("reduce_scatter") as calls:
+    with recording_collectives("reduce_scatter", "start_reduce_scatter_parts") as calls:
         _compare_training(split(0), input_sbp, "adamw", True, mesh, bucket_mb)
     return len(calls)
 

@@ -2,8 +2,6 @@
 ``.grad`` is boxed to ``gradient_sbp(param.sbp)`` (the parameter's own layout for split and broadcast
 parameters), so optimizers see gradients laid out like their parameters."""
 
-import math
-
 import torch
 from torch import nn
 
@@ -98,35 +96,18 @@ def _bucket_compiled_reductions() -> None:
 
 
 def _reduce_scatter_bucket(params: list, placement, axis: int, src) -> None:
-    """One reduce-scatter on ``axis`` for the partial gradients of ``params``, each to its own split: each is cut
-    along its target's split dim into the axis' parts (uneven ones included); the buffer holds, for each
-    coordinate along the axis in turn, the parts it keeps of every gradient, padded to the longest such segment.
-    After the reduce-scatter, this rank's segment is cut back into its parts of each gradient."""
+    """One reduce-scatter on ``axis`` for the partial gradients of ``params``, each cut along its target's split
+    dim into the axis' parts (uneven ones included); this rank keeps its reduced part of each."""
     coord = placement.local_coord()
     if coord is None:  # not a rank of the placement: nothing held, nothing to reduce
         for p in params:
             meta = p.grad._meta.with_sbp(gradient_sbp(p.sbp))
             p.grad = GlobalTensor(p.grad._local.new_empty(meta.local_shape(coord)), meta)
         return
-    n = placement.shape[axis]
-    segments: list[list[torch.Tensor]] = [[] for _ in range(n)]
-    kept = []  # per gradient: the shape of this rank's part, with the split dim first
+    parts = []
     for p in params:
-        grad, dim = p.grad, gradient_sbp(p.sbp)[axis].dim
-        sizes = axis_view(grad._meta, axis, coord).sizes(dim)
-        rows = grad._local.movedim(dim, 0)
-        for index, part in enumerate(rows.split(sizes)):
-            segments[index].append(part.reshape(-1))
-        kept.append((dim, (sizes[coord[axis]], *rows.shape[1:])))
-    flat = [torch.cat(parts) for parts in segments]
-    longest = max(f.numel() for f in flat)
-    buffer = flat[0].new_zeros((n, longest))
-    for index, f in enumerate(flat):
-        buffer[index, : f.numel()] = f
-    mine = comm.reduce_scatter(buffer, src.op, 0, [1] * n, comm.axis_group(placement, axis))[0]
-    offset = 0
-    for p, (dim, shape) in zip(params, kept):
-        count = math.prod(shape)
-        local = mine[offset : offset + count].view(shape).movedim(0, dim).contiguous()
-        offset += count
-        p.grad = GlobalTensor(local, p.grad._meta.with_sbp(gradient_sbp(p.sbp)))
+        dim = gradient_sbp(p.sbp)[axis].dim
+        parts.append(p.grad._local.split(axis_view(p.grad._meta, axis, coord).sizes(dim), dim=dim))
+    finish = comm.start_reduce_scatter_parts(parts, src.op, comm.axis_group(placement, axis))
+    for p, mine in zip(params, finish()):
+        p.grad = GlobalTensor(mine, p.grad._meta.with_sbp(gradient_sbp(p.sbp)))

@@ -2,11 +2,11 @@
 
 A sharded parameter is *stored* split over the data axis (the optimizer, ``state_dict`` and checkpoints see only
 the stored parts) and *used* in its compute layout, the plan's SBP (broadcast on the data axis). The modules of
-a model are grouped into units (by default the root and each child of an ``nn.ModuleList``: the blocks of a
-transformer). A unit's parameters are gathered together, by one all-gather, when its forward starts; the
-gathered copies stand in for the parameters during that forward and are freed when it ends (the root's when its
-gradients are reduced), so autograd keeps no gathered weight alive: a tensor it saves that lies in a gathered copy
-is gathered again when backward reads it. A unit's gradients are reduce-scattered together, started as soon as
+a model are grouped into units (by default the root and the model's blocks, ``default_units``). A unit's
+parameters are gathered together, by one all-gather, when its forward starts; the gathered copies stand in for
+the parameters during that forward and are freed when it ends (the root's when its gradients are reduced), so
+autograd keeps no gathered weight alive: a tensor it saves that lies in a gathered copy is gathered again when
+backward reads it. A unit's gradients are reduce-scattered together, started as soon as
 backward has produced them and finished when the next unit's start (or backward ends). While a unit computes,
 the next one's gather is in flight (forward order in forward, the reverse in backward).
 
@@ -190,7 +190,8 @@ class ShardedModel:
         self.flush_queued = False
         self.by_storage: dict[int, _Unit] = {}
         self.peak_gathered = 0
-        self.saved: dict[int, int] = {}  # storage -> bytes, of what autograd saved in this step's forward
+        self.saved: set[int] = set()  # the storages autograd saved in this step's forward
+        self.saved_bytes = 0  # theirs, together
         self.peak_saved = 0
         self.saving = None
         root.register_forward_pre_hook(lambda m, a: self._begin_step(), prepend=True)
@@ -271,7 +272,7 @@ class ShardedModel:
         for unit in self.units:
             unit.drop_in_flight()
             unit.free()
-        self.saved = {}
+        self.saved, self.saved_bytes = set(), 0
         if self.saving is None:
             self.saving = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self.saving.__enter__()
@@ -306,8 +307,10 @@ class ShardedModel:
         unit = self.by_storage.get(storage._cdata)
         if unit is not None:
             return _Held(unit, x)
-        self.saved[storage._cdata] = storage.nbytes()
-        self.peak_saved = max(self.peak_saved, sum(self.saved.values()))
+        if storage._cdata not in self.saved:
+            self.saved.add(storage._cdata)
+            self.saved_bytes += storage.nbytes()
+            self.peak_saved = max(self.peak_saved, self.saved_bytes)
         return x
 
     def _unpack(self, packed):
@@ -343,16 +346,10 @@ class ShardedModel:
         while self.reductions:  # one in flight while backward goes on: buffers do not pile up
             self._finish(*self.reductions.pop(0))
         if bucket:
-            send = bucket[0][1].new_zeros((unit.group.size, unit.row))
-            offsets = [0] * unit.group.size
-            for p, local in bucket:  # each part straight into its slot (a transposed gradient is copied once)
-                for k, part in enumerate(local.split(p.sizes, dim=p.dim)):
-                    send[k, offsets[k] : offsets[k] + part.numel()].view(part.shape).copy_(part)
-                    offsets[k] += part.numel()
-            bucket = [p for p, _ in bucket]
-            finish = comm.start_reduce_scatter_rows(send, "sum", unit.group)
+            parts = [local.split(p.sizes, dim=p.dim) for p, local in bucket]
+            finish = comm.start_reduce_scatter_parts(parts, "sum", unit.group)
             unit.note("reduce-scatter begun")
-            self.reductions.append((unit, bucket, finish))
+            self.reductions.append((unit, [p for p, _ in bucket], finish))
         if not self.flush_queued:
             self.flush_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_reductions)
@@ -365,14 +362,9 @@ class ShardedModel:
         for reduction in reductions:
             self._finish(*reduction)
 
-    def _finish(self, unit: _Unit, bucket: list, finish) -> None:
-        mine, offset = finish(), 0
-        for p in bucket:
-            shape = list(p.shape)
-            shape[p.dim] = p.sizes[unit.index]
-            n = p.numels[unit.index]
-            _accumulate(p, mine[offset : offset + n].view(shape))
-            offset += n
+    def _finish(self, unit: _Unit, params: list, finish) -> None:
+        for p, mine in zip(params, finish()):
+            _accumulate(p, mine)
         unit.note("reduced")
 
     def record_timeline(self, events: list | None) -> None:
@@ -432,6 +424,8 @@ def shard_model(
     """Install gather-on-use for the sharded parameters of ``module``. ``computes`` maps each stored parameter
     (by id) to (the parameter, its compute meta); ``units``: glob patterns on module names (None: the default)."""
     patterns = default_units(module) if units is None else ["", *units]
+    if not computes or next(iter(computes.values()))[1].placement.local_coord() is None:
+        return None  # nothing sharded, or not a rank of the placement (another pipeline stage's): nothing runs
     unit_names = [name for name, _ in module.named_modules() if any(fnmatch.fnmatchcase(name, p) for p in patterns)]
     modules = dict(module.named_modules(remove_duplicate=False))
     owner_unit: dict[int, str] = {}
@@ -445,12 +439,8 @@ def shard_model(
             seen = owner_unit.setdefault(id(tensor), nearest)
             if seen != nearest:  # tied across units: the root gathers it for the whole forward
                 owner_unit[id(tensor)] = ""
-    if not computes or next(iter(computes.values()))[1].placement.local_coord() is None:
-        return None  # not a rank of the placement (another pipeline stage's): it never runs the model
     groups: dict[str, list[_ShardedParameter]] = {}
     for key, (param, compute) in computes.items():
         groups.setdefault(owner_unit[key], []).append(_ShardedParameter(param, compute, axis, owners[key]))
-    if not groups:
-        return None
     units = [(modules[name], _Unit(name, groups[name], axis)) for name in unit_names if name in groups]
     return ShardedModel(module, units, policy)

@@ -13,7 +13,7 @@ from ._collectives import (
     send_recv,
     start_all_reduce,
     start_gather_rows,
-    start_reduce_scatter_rows,
+    start_reduce_scatter_parts,
 )
 from ._compiled import RanksDisagree, compiling, note_placement
 from ._faults import CollectiveError, caller_stops_one_rank_failures, close_world, collective_failed, posted_failures

@@ -272,13 +272,32 @@ def start_gather_rows(row: torch.Tensor, group: AxisGroup):
     return finish
 
 
-def start_reduce_scatter_rows(rows: torch.Tensor, op: str, group: AxisGroup):
-    """Begin reducing ``rows`` (one equal row per axis coordinate, in axis order) over the group with ``op``;
-    returns ``finish()``, which waits and returns this rank's reduced row. Lets gradients be reduced while
-    backward goes on."""
+def start_reduce_scatter_parts(parts: list[list[torch.Tensor]], op: str, group: AxisGroup):
+    """Begin reducing several tensors over the group with ``op``, each given cut into the parts the axis
+    coordinates keep (uneven ones included): ``parts[i][k]`` is what coordinate ``k`` keeps of tensor ``i``.
+    Returns ``finish()``, which waits and returns this rank's reduced part of each tensor (shaped as
+    ``parts[i][group.index]``). One reduce-scatter of one buffer: coordinate ``k``'s row holds its parts of every
+    tensor end to end, padded to the longest row; the padding reaches nobody. Lets gradient buckets be reduced
+    while backward goes on."""
+    rows = parts[0][0].new_zeros((group.size, max(sum(t[k].numel() for t in parts) for k in range(group.size))))
+    for k, row in enumerate(rows):
+        offset = 0
+        for t in parts:  # each part straight into its slot (a transposed gradient is copied once)
+            row[offset : offset + t[k].numel()].view(t[k].shape).copy_(t[k])
+            offset += t[k].numel()
+    shapes, dtype = [t[group.index].shape for t in parts], rows.dtype
     if group.size == 1:
-        return lambda: rows[0].clone()
-    _refuse_unreducible("reduce_scatter", rows, [op])
-    send = rows if group.in_rank_order else rows[list(_to_group_order(group, range(group.size)))]
-    started = call.start_reduce_scatter(_on_wire(send).contiguous().view(-1), op, group)
-    return lambda: _off_wire(started(), rows.dtype)
+        started = lambda: rows[0].clone()  # noqa: E731 - one part is the whole: nothing to exchange
+    else:
+        _refuse_unreducible("reduce_scatter", rows, [op])
+        send = rows if group.in_rank_order else rows[list(_to_group_order(group, range(group.size)))]
+        started = call.start_reduce_scatter(_on_wire(send).contiguous().view(-1), op, group)
+
+    def finish() -> list[torch.Tensor]:
+        mine, offset, out = _off_wire(started(), dtype), 0, []
+        for shape in shapes:
+            out.append(mine[offset : offset + math.prod(shape)].view(shape))
+            offset += math.prod(shape)
+        return out
+
+    return finish
