@@ -97,7 +97,7 @@ def module_to_global(
             layout ``sbp`` gives it (broadcast on that axis) while the unit that holds it runs; gradients are
             reduce-scattered back to the stored layout (docs/training.md). None: parameters are stored as used.
         units: glob patterns on module names; each matching module gathers its parameters (those of no
-            inner unit) together, the root module the rest. Default: each child of an ``nn.ModuleList``.
+            inner unit) together, the root module the rest. Default: the model's blocks (``default_units``).
         mixed_precision: a ``MixedPrecision``: the dtypes sharded parameters are gathered in and gradients
             reduced in (needs ``shard``).
 
