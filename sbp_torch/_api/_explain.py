@@ -76,7 +76,17 @@ def _cause() -> str:
     return "boxing"
 
 
-def _graph_leaves(outputs) -> list[torch.Tensor]:
+def recorder(found: list, phase: dict):
+    """The ``comm.observing`` callback that appends each collective to ``found`` as a ``Collective``, marked as
+    backward while ``phase["backward"]``."""
+
+    def note(kind, group, nbytes):
+        found.append(Collective(kind, tuple(group.ranks), nbytes, _cause(), phase["backward"]))
+
+    return note
+
+
+def graph_leaves(outputs) -> list[torch.Tensor]:
     """The tensors whose gradients backward from ``outputs`` accumulates."""
     seen, leaves, stack = set(), [], [o.grad_fn for o in outputs if o.grad_fn is not None]
     while stack:
@@ -101,20 +111,17 @@ def explain(fn, *args, backward: bool = True, **kwargs) -> Explanation:
     found = Explanation()
     phase = {"backward": False}  # (ours to say: gradient reduction runs after the last autograd node)
 
-    def note(kind, group, nbytes):
-        found.append(Collective(kind, tuple(group.ranks), nbytes, _cause(), phase["backward"]))
-
     def fake(a):
         if isinstance(a, GlobalTensor):
             return GlobalTensor(mode.from_tensor(a._local), a._meta, requires_grad=a.requires_grad)
         return mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
 
     args, kwargs = tree_map(fake, (args, kwargs))
-    with comm.observing(note, as_traced=True), mode:
+    with comm.observing(recorder(found, phase), as_traced=True), mode:
         out = fn(*args, **kwargs)
         outputs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.requires_grad]
         if backward and outputs:
-            leaves = _graph_leaves(outputs)
+            leaves = graph_leaves(outputs)
             kept = [leaf.grad for leaf in leaves]
             phase["backward"] = True
             try:

@@ -108,6 +108,8 @@ def module_to_global(
     Under torch.compile the gradients are reduced inside the compiled backward instead, and laying out a model
     turns on Inductor's collective bucketing passes where they are off (docs/compile.md).
     """
+    if hasattr(placement, "apply_to") and not isinstance(placement, Placement):  # a planner's Plan
+        return placement.apply_to(module)
     if not isinstance(placement, Placement):
         raise TypeError(f"placement must be an sbp_torch.placement, got {type(placement).__name__}")
     if sbp is None:

@@ -20,6 +20,10 @@ from .pieces import Piece, box_of, intersection, pieces_between
 from .transitions import AxisView, transition
 
 POINT_TO_POINT = "send/recv"
+# The point-to-point step is planned only on placements of at most this many ranks: finding its pieces takes
+# time that grows with the square of the ranks (the planner prices placements of thousands), and on large
+# placements the collectives' own latency terms already favour them.
+POINT_TO_POINT_MAX_RANKS = 64
 
 
 # What one collective call costs beyond its bytes, in bytes per participating rank: its latency at a typical
@@ -171,7 +175,8 @@ def plan_boxing(meta: GlobalMeta, dst_sbp: tuple[SbpType, ...]) -> BoxingPlan:
     # as searching with it, but its pieces are computed only when a cheap bound says it could win.
     steps = search(meta, goal, point_to_point=False)
     cost = sum(s.cost for s in steps)
-    if not any(isinstance(s, Partial) for s in goal) and _deficit_bound(meta, goal) < cost:
+    small = len(meta.placement.flat_ranks) <= POINT_TO_POINT_MAX_RANKS
+    if small and not any(isinstance(s, Partial) for s in goal) and _deficit_bound(meta, goal) < cost:
         swap = _point_to_point(meta, goal)
         if swap.cost < cost:  # on a tie the collectives win, as in the search
             steps = (swap,)
@@ -196,7 +201,8 @@ def search(meta: GlobalMeta, goal: tuple[SbpType, ...], point_to_point: bool = T
     ``point_to_point`` is False."""
     start = tuple(meta.sbp)
     candidates = _candidates(meta, goal)
-    goal_whole = point_to_point and not any(isinstance(s, Partial) for s in goal)
+    small = len(meta.placement.flat_ranks) <= POINT_TO_POINT_MAX_RANKS
+    goal_whole = point_to_point and small and not any(isinstance(s, Partial) for s in goal)
     best = {start: (0, 0)}
     came_from: dict = {}
     frontier = [(0, 0, 0, start)]

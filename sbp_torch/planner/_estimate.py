@@ -1,0 +1,155 @@
+"""From what a traced piece did to what it costs: seconds, bytes of memory, collectives (docs/planning.md).
+
+``Estimate`` is additive: the step's estimate is the root's plus each unit's times the number of units like
+it. Parameter traffic (gradient reductions, sharded gathers) and the optimizer are priced from the
+parameters' layouts, as ``Module.to_global`` will run them; the trace prices everything else."""
+
+from __future__ import annotations
+
+import collections
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from .._api._sharding import storage_sbp
+from .._layout import GlobalMeta, Partial, SbpType, Split, broadcast
+from ._costs import CostModel
+from ._trace import Measured
+
+# Optimizer class name -> state tensors it keeps per parameter, each as large as the parameter.
+OPTIMIZER_STATES = {"AdamW": 2, "Adam": 2, "SGD": 1, "Adagrad": 1, "RMSprop": 1, "Adafactor": 1, "none": 0}
+OPTIMIZER_PASSES = 12  # elementwise passes over parameter-sized tensors one AdamW step makes (reads and writes)
+BUCKET_BYTES = 25 * 2**20  # Module.to_global's gradient bucket
+
+
+@dataclass
+class Estimate:
+    """Seconds and bytes on one rank, summed over pieces of a step."""
+
+    compute_s: float = 0.0
+    comm_s: float = 0.0  # activation collectives: on the critical path
+    param_comm_s: float = 0.0  # gradient reductions and sharded gathers: beside compute
+    optimizer_s: float = 0.0
+    memory: dict = field(default_factory=dict)  # term -> bytes
+    collectives: dict = field(default_factory=dict)  # kind -> count per step
+
+    def __add__(self, other: Estimate) -> Estimate:
+        return self.plus(other, 1.0)
+
+    def __sub__(self, other: Estimate) -> Estimate:
+        return self.plus(other, -1.0)
+
+    def plus(self, other: Estimate, k: float) -> Estimate:
+        """This estimate and ``k`` times ``other``."""
+        return Estimate(
+            self.compute_s + k * other.compute_s,
+            self.comm_s + k * other.comm_s,
+            self.param_comm_s + k * other.param_comm_s,
+            self.optimizer_s + k * other.optimizer_s,
+            _merged(self.memory, other.memory, k),
+            _merged(self.collectives, other.collectives, k),
+        )
+
+    def step_s(self, costs: CostModel) -> float:
+        """Predicted seconds per step: compute, activation collectives, the parameter traffic compute does not
+        hide, and the optimizer."""
+        return self.compute_s + self.comm_s + (1 - costs.overlap) * self.param_comm_s + self.optimizer_s
+
+    def memory_bytes(self) -> float:
+        return float(sum(self.memory.values()))
+
+
+def _merged(a: dict, b: dict, k: float) -> dict:
+    return {key: a.get(key, 0) + k * b.get(key, 0) for key in {**a, **b}}
+
+
+def from_trace(measured: Measured, costs: CostModel) -> Estimate:
+    """The estimate of a traced piece: its ops' roofline time, its collectives, its saved activations."""
+    compute = sum(costs.op_s(flops, nbytes, dtype) for flops, nbytes, dtype in measured.ops)
+    comm = sum(costs.collective_s(c.kind, c.ranks, c.bytes) for c in measured.collectives)
+    kinds = dict(collections.Counter(c.kind.split(" (")[0] for c in measured.collectives))
+    return Estimate(compute, comm, memory={"activations": measured.saved_bytes}, collectives=kinds)
+
+
+def _local_bytes(meta: GlobalMeta) -> int:
+    return math.prod(meta.local_shape(meta.placement.local_coord())) * meta.dtype.itemsize
+
+
+def _axis_ranks(meta: GlobalMeta, axis: int) -> tuple[int, ...]:
+    return meta.placement.axis_ranks(axis, meta.placement.local_coord())
+
+
+def parameters_estimate(
+    params: list[tuple[GlobalMeta, GlobalMeta | None]],
+    costs: CostModel,
+    *,
+    data_axis: int | None,
+    sharded: bool,
+    optimizer_states: int,
+    kept_gathered: bool,
+) -> Estimate:
+    """Memory and traffic of some parameters: (compute layout, the layout backward left its gradient in).
+
+    Replicated storage: each gradient partial on an axis is all-reduced there (bucketed). Sharded storage on the
+    data axis: the parameters are gathered in forward and again in backward (freed between, unless
+    ``kept_gathered``, as the root's are), and their gradients reduce-scattered, one collective per unit."""
+    est = Estimate(memory=dict.fromkeys(("parameters", "gradients", "optimizer state", "gathered"), 0))
+    stored_total = 0
+    for compute, grad in params:
+        stored = compute
+        if sharded and data_axis is not None:
+            sbp = storage_sbp("", compute.sbp, data_axis, len(compute.shape))
+            stored = compute.with_sbp(sbp) if sbp is not None else compute
+        nbytes = _local_bytes(stored)
+        stored_total += nbytes
+        est.memory["parameters"] += nbytes
+        est.memory["gradients"] += nbytes
+        est.memory["optimizer state"] += optimizer_states * nbytes
+        if stored is not compute:
+            est.memory["gathered"] += _local_bytes(compute)
+            ranks = _axis_ranks(compute, data_axis)
+            gathers = 1 if kept_gathered else 2
+            est.param_comm_s += gathers * _bandwidth_s(costs, "all-gather", ranks, nbytes)
+            est.param_comm_s += _bandwidth_s(costs, "reduce-scatter", ranks, _local_bytes(compute))
+        for axis, sbp in enumerate(grad.sbp if grad is not None else ()):
+            if isinstance(sbp, Partial) and not (stored is not compute and axis == data_axis):
+                ranks = _axis_ranks(compute, axis)
+                est.param_comm_s += _bandwidth_s(costs, "all-reduce", ranks, _local_bytes(compute))
+    est.optimizer_s = OPTIMIZER_PASSES * (stored_total / costs.memory_bandwidth) / costs.efficiency
+    return est
+
+
+def _bandwidth_s(costs: CostModel, kind: str, ranks, nbytes: int) -> float:
+    """A collective's time without its latency (latencies are counted per bucket or unit, ``latency_s``)."""
+    full = costs.collective_s(kind, ranks, nbytes)
+    return max(full - costs.link(ranks).latency_s, 0.0) if len(ranks) > 1 else 0.0
+
+
+def latency_estimate(costs: CostModel, placement, data_axis, sharded: bool, units: int, grad_bytes: int) -> Estimate:
+    """The per-call latencies of the parameter collectives: per unit when sharded (two gathers, one
+    reduce-scatter), else per gradient bucket on each axis."""
+    est = Estimate()
+    coord = placement.local_coord()
+    for axis in range(placement.ndim):
+        ranks = placement.axis_ranks(axis, coord)
+        if len(ranks) < 2:
+            continue
+        latency = costs.link(ranks).latency_s
+        if sharded and axis == data_axis:
+            est.param_comm_s += 3 * units * latency
+            est.collectives = _merged(est.collectives, {"all-gather": 2 * units, "reduce-scatter(sum)": units}, 1)
+        else:
+            buckets = max(1, math.ceil(grad_bytes / BUCKET_BYTES))
+            est.param_comm_s += buckets * latency
+            est.collectives = _merged(est.collectives, {"all-reduce(sum)": buckets}, 1)
+    return est
+
+
+def compute_meta(shape, dtype: torch.dtype, placement, sbp: tuple[SbpType, ...]) -> GlobalMeta:
+    return GlobalMeta(tuple(shape), dtype, placement, tuple(sbp))
+
+
+def batch_sbp(placement, data_axis: int | None, tensor: torch.Tensor) -> tuple[SbpType, ...]:
+    """A batch tensor's layout: rows split on the data axis, broadcast on every other."""
+    return tuple(Split(0) if axis == data_axis and tensor.dim() > 0 else broadcast for axis in range(placement.ndim))

@@ -1,0 +1,195 @@
+"""``Plan``: a layout for a model as data: the mesh, each parameter's SBP and storage, the batch's and the
+hidden state's layout at unit edges, and what the planner predicted. It prints as a table, saves and loads
+as JSON, and ``model.to_global(plan)`` applies it."""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from .._layout import GlobalMeta, Partial, Placement, SbpType, Split, broadcast
+from .._tensor import GlobalTensor
+from ._pins import BoundaryPin
+
+
+def sbp_text(sbp: tuple[SbpType, ...]) -> str:
+    return ", ".join(map(repr, sbp))
+
+
+def sbp_from_text(text: str) -> tuple[SbpType, ...]:
+    """The inverse of ``sbp_text``: ``"B, S(0)"`` -> ``(broadcast, split(0))``."""
+    parts = []
+    for item in (t.strip() for t in text.split(",")):
+        if item == "B":
+            parts.append(broadcast)
+        elif item.startswith("S(") and item.endswith(")"):
+            parts.append(Split(int(item[2:-1])))
+        elif item == "P" or (item.startswith("P(") and item.endswith(")")):
+            parts.append(Partial(item[2:-1] if item != "P" else "sum"))
+        else:
+            raise ValueError(f"not an SBP: {item!r} in {text!r}")
+    return tuple(parts)
+
+
+@dataclass
+class Prediction:
+    """What the planner expects one training step of a plan to cost on one rank."""
+
+    step_s: float
+    compute_s: float
+    comm_s: float  # activation collectives
+    param_comm_s: float  # gradient reductions and sharded gathers, before overlap with compute
+    optimizer_s: float
+    memory: dict  # term -> bytes per rank
+    collectives: dict  # kind -> count per step
+
+    @property
+    def memory_bytes(self) -> float:
+        return float(sum(self.memory.values()))
+
+
+@dataclass
+class Plan:
+    """A layout for one model on ``world_size`` ranks (docs/planning.md).
+
+    Attributes:
+        mesh: the placement's shape; ``data_axis`` splits the batch, ``tensor_axis`` the layers (either may be
+            None). ``sharded``: parameters are stored split over the data axis (``Module.to_global(shard=)``).
+        parameters: full parameter name -> its SBP (text, one entry per placement axis) while computing.
+        boundaries: unit name pattern -> the hidden state's SBP at the unit's input and output.
+        predicted: the planner's estimate; ``alternatives``: the best estimate of every mesh and storage tried.
+    """
+
+    world_size: int
+    mesh: tuple[int, ...]
+    data_axis: int | None
+    tensor_axis: int | None
+    sharded: bool
+    parameters: dict[str, str]
+    boundaries: dict[str, str]
+    predicted: Prediction
+    cost_model: str = ""
+    device: str = "cpu"
+    search: dict = field(default_factory=dict)
+    alternatives: list = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return describe_mesh(self.mesh, self.data_axis, self.tensor_axis, self.sharded)
+
+    def placement(self) -> Placement:
+        """The placement the plan lays tensors out on: ranks 0 to world_size - 1 in the mesh's shape."""
+        ranks = torch.arange(self.world_size).reshape(self.mesh).tolist()
+        return Placement(self.device, ranks)
+
+    def sbp_of(self, name: str) -> tuple[SbpType, ...]:
+        return sbp_from_text(self.parameters[name])
+
+    def apply_to(self, module: nn.Module) -> nn.Module:
+        """Lay ``module`` out by this plan, in place (what ``module.to_global(plan)`` does)."""
+        from .._api import module_to_global
+
+        placement = self.placement()
+        sbp = {name: sbp_from_text(text) for name, text in self.parameters.items()}
+        shard = self.data_axis if self.sharded else None
+        module_to_global(module, placement, sbp, shard=shard)
+        for name, sub in module.named_modules():
+            for pattern, text in self.boundaries.items():
+                if fnmatch.fnmatchcase(name, pattern):
+                    BoundaryPin.install(sub, sbp_from_text(text))
+        return module
+
+    def batch_sbp(self, tensor: torch.Tensor) -> tuple[SbpType, ...]:
+        """The layout of one batch tensor: rows split over the data axis."""
+        return tuple(
+            Split(0) if axis == self.data_axis and tensor.dim() > 0 else broadcast for axis in range(len(self.mesh))
+        )
+
+    def layout(self, batch):
+        """The whole logical ``batch`` (a tensor, or a tuple or dict of them, the same on every rank) laid out by
+        the plan; each rank keeps its part, with no communication."""
+        placement = self.placement()
+        coord = placement.local_coord()
+
+        def one(x):
+            if not isinstance(x, torch.Tensor):
+                return x
+            meta = GlobalMeta(tuple(x.shape), x.dtype, placement, self.batch_sbp(x))
+            starts, lengths = meta.region(coord)
+            local = x
+            for dim, (start, length) in enumerate(zip(starts, lengths)):
+                local = local.narrow(dim, start, length)
+            return GlobalTensor(local.contiguous().to(placement.device()), meta)
+
+        if isinstance(batch, dict):
+            return {k: one(v) for k, v in batch.items()}
+        if isinstance(batch, (tuple, list)):
+            return type(batch)(one(v) for v in batch)
+        return one(batch)
+
+    def __str__(self) -> str:
+        p = self.predicted
+        lines = [
+            f"plan for {self.world_size} ranks: {self.label} (mesh {list(self.mesh)}), cost model: {self.cost_model}",
+            f"  predicted step {p.step_s * 1e3:.3f} ms: compute {p.compute_s * 1e3:.3f}, collectives "
+            f"{p.comm_s * 1e3:.3f}, parameter traffic {p.param_comm_s * 1e3:.3f} (before overlap), optimizer "
+            f"{p.optimizer_s * 1e3:.3f}",
+            f"  memory per rank {_mib(p.memory_bytes)}: "
+            + ", ".join(f"{k} {_mib(v)}" for k, v in p.memory.items() if v),
+            "  collectives per step: " + ", ".join(f"{k} {round(v)}" for k, v in sorted(p.collectives.items()) if v),
+            "",
+            f"  {'parameter':48} {'layout':12}",
+        ]
+        lines += [f"  {name:48} {text:12}" for name, text in self.parameters.items()]
+        lines += [f"  boundary {pattern}: {text}" for pattern, text in self.boundaries.items()]
+        if self.alternatives:
+            lines += ["", f"  {'layout tried':32} {'step ms':>10} {'memory':>12}"]
+            lines += [
+                f"  {a['label']:32} {a['step_s'] * 1e3:>10.3f} {_mib(a['memory_bytes']):>12}" for a in self.alternatives
+            ]
+        if self.search:
+            lines += ["", "  search: " + ", ".join(f"{k} {v}" for k, v in self.search.items())]
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        data["mesh"] = list(self.mesh)
+        return json.dumps(data, indent=1, default=_finite)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        data = json.loads(text)
+        data["mesh"] = tuple(data["mesh"])
+        data["predicted"] = Prediction(**data["predicted"])
+        return cls(**data)
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            f.write(self.to_json())
+
+    @classmethod
+    def load(cls, path: str) -> Plan:
+        with open(path) as f:
+            return cls.from_json(f.read())
+
+
+def describe_mesh(mesh, data_axis, tensor_axis, sharded) -> str:
+    parts = []
+    if data_axis is not None:
+        parts.append(f"{'sharded ' if sharded else ''}data {mesh[data_axis]}")
+    if tensor_axis is not None:
+        parts.append(f"tensor {mesh[tensor_axis]}")
+    return " x ".join(parts)
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.2f} MiB" if math.isfinite(nbytes) else "inf"
+
+
+def _finite(value):
+    return str(value)

@@ -1,0 +1,110 @@
+"""Run one piece of a training step on fake local parts and measure it: its collectives, its ops' FLOPs and
+bytes, the activations it saves for backward, and its parameters' gradient layouts.
+
+Parameters and inputs are global tensors whose local parts are on the meta device (shapes and dtypes, no
+storage), so any model size and any world size run in one process: the process group may be torch's fake
+backend. The ops run through the same dispatcher, signature table and boxing planner as a real step; every
+collective is issued as the functional op a compiled program would hold, so nothing is sent."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.flop_counter import flop_registry
+
+from .. import _comm as comm
+from .._api._explain import Collective, recorder
+from .._layout import Broadcast, GlobalMeta
+from .._tensor import GlobalTensor
+
+
+@dataclass
+class Measured:
+    """What one run of a piece of the step did on the rank it was traced for (rank 0's coordinates)."""
+
+    collectives: list[Collective] = field(default_factory=list)
+    ops: list[tuple[float, int, torch.dtype]] = field(default_factory=list)  # per global op: local FLOPs, bytes
+    saved_bytes: int = 0  # activations autograd keeps for backward (parameters not counted)
+    grads: dict[int, GlobalMeta] = field(default_factory=dict)  # id(parameter) -> the layout its gradient got
+
+
+def _local(a):
+    return a._local if isinstance(a, GlobalTensor) else a
+
+
+class _CountOps(TorchDispatchMode):
+    """Records each op on global tensors with its FLOPs on one rank and the bytes of its local inputs and
+    outputs; views move no bytes. FLOPs are torch's formula on the logical shapes, divided by the ranks of
+    every axis where the output is not broadcast (split or partial: the work is divided there; the local
+    call may slice its inputs first, so its arguments are not the shapes it computes on)."""
+
+    def __init__(self, ops: list):
+        super().__init__()
+        self.ops = ops
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        outputs = [o for o in tree_flatten(out)[0] if isinstance(o, GlobalTensor)]
+        if outputs:
+            if func.is_view:
+                self.ops.append((0.0, 0, outputs[0].dtype))
+                return out
+            count = flop_registry.get(func._overloadpacket)
+            flops = float(count(*args, **kwargs, out_val=out)) if count else 0.0
+            first = outputs[0]
+            shape = first.placement.shape
+            flops /= math.prod(n for n, sbp in zip(shape, first.sbp) if not isinstance(sbp, Broadcast))
+            local = tree_map(_local, (args, kwargs, out))
+            tensors = [t for t in tree_flatten(local)[0] if isinstance(t, torch.Tensor)]
+            self.ops.append((flops, sum(t.numel() * t.element_size() for t in tensors), first.dtype))
+        return out
+
+
+def meta_global(meta: GlobalMeta, requires_grad: bool = False) -> GlobalTensor:
+    """A global tensor of ``meta`` whose local part (this rank's) is on the meta device: a shape, no storage."""
+    local = torch.empty(meta.local_shape(meta.placement.local_coord()), dtype=meta.dtype, device="meta")
+    return GlobalTensor(local, meta, requires_grad=requires_grad)
+
+
+def _storage(t: torch.Tensor):
+    return StorageWeakRef(t.untyped_storage())
+
+
+def measure(fn, params: list[GlobalTensor], *, backward: bool = True) -> tuple[Measured, object]:
+    """Run ``fn()`` on global tensors with meta parts (and, when ``backward``, the backward of every output that
+    requires grad, each with a gradient of ones in its own layout); returns what it did and its output.
+    ``params`` are the leaves whose gradients are reported (and left unset afterwards)."""
+    found = Measured()
+    phase = {"backward": False}
+    weights = {_storage(p._local) for p in params}
+    seen: set = set()
+
+    def pack(t):
+        local = _local(t)
+        if isinstance(local, torch.Tensor):
+            key = _storage(local)
+            if key not in weights and key not in seen:
+                seen.add(key)
+                found.saved_bytes += local.untyped_storage().nbytes()
+        return t
+
+    for p in params:
+        p.grad = None
+    with comm.observing(recorder(found.collectives, phase), as_traced=True), _CountOps(found.ops):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = fn()
+        outputs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.requires_grad]
+        if backward and outputs:
+            phase["backward"] = True
+            torch.autograd.backward(outputs, [torch.ones_like(o) for o in outputs])
+    for p in params:
+        if p.grad is not None:
+            found.grads[id(p)] = p.grad._meta
+            p.grad = None
+    return found, out

@@ -1,0 +1,134 @@
+"""The planner (``sbp_torch.planner.plan``): plans found on fake tensors, saved and loaded, applied, and trained
+against one process; a memory limit met or refused."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import sbp_torch as st
+from sbp_torch import planner
+
+from world import run_on_world
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+import gpt  # noqa: E402
+
+
+def _batch(rows=6):
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.randint(gpt.VOCAB, (rows, gpt.CONTEXT + 1), generator=gen)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _model():
+    torch.manual_seed(0)
+    return gpt.GPT(layers=3)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_a_plan_covers_every_parameter_and_every_mesh_and_saves_as_json(world, tmp_path):
+    model = _model()
+    plan = planner.plan(model, _batch(), world)
+    names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    assert set(plan.parameters) == names
+    tried = {a["label"] for a in plan.alternatives}
+    assert f"data {world}" in tried and f"tensor {world}" in tried and f"sharded data {world}" in tried
+    assert (world == 4) == ("data 2 x tensor 2" in tried)
+    assert plan.predicted.step_s == min(a["step_s"] for a in plan.alternatives)
+    assert plan.boundaries == {
+        "blocks.*": ", ".join("S(0)" if a == plan.data_axis else "B" for a in range(len(plan.mesh)))
+    }
+    path = tmp_path / "plan.json"
+    plan.save(str(path))
+    loaded = planner.Plan.load(str(path))
+    assert loaded.to_json() == plan.to_json() and loaded.parameters == plan.parameters
+    assert json.loads(path.read_text())["mesh"] == list(plan.mesh)
+    assert "predicted step" in str(plan) and "layout tried" in str(plan)
+    assert not dist.is_initialized()  # the fake world is gone
+
+
+def test_a_tensor_parallel_mesh_splits_the_blocks_linears_in_pairs():
+    """On a placement given as 1 x 4 (tensor only), the blocks' linears are split, columns feeding rows."""
+    plan = planner.plan(_model(), _batch(8), st.placement("cpu", [[0, 1, 2, 3]]))
+    assert plan.tensor_axis is not None
+    first, second = plan.parameters["blocks.0.mlp.0.weight"], plan.parameters["blocks.0.mlp.2.weight"]
+    assert (first, second) in {("B, S(0)", "B, S(1)"), ("B, B", "B, B")}
+    assert plan.parameters["blocks.1.mlp.0.weight"] == first  # repeated blocks share one decision
+
+
+def test_memory_limit_is_met_or_refused_with_the_smallest_found():
+    model, batch = _model(), _batch(8)
+    free = planner.plan(model, batch, 4)
+    limit = 0.8 * free.predicted.memory_bytes
+    tight = planner.plan(model, batch, 4, memory_per_rank=limit)
+    assert tight.predicted.memory_bytes <= limit < free.predicted.memory_bytes
+    assert tight.sharded or tight.tensor_axis is not None
+    with pytest.raises(planner.PlanError, match=r"no layout fits 0\.0 MiB per rank: the smallest found needs"):
+        planner.plan(model, batch, 4, memory_per_rank=1000)
+
+
+def test_a_model_on_the_meta_device_plans_for_a_thousand_ranks():
+    """Nothing is allocated: the parameters have no storage, the world is torch's fake backend."""
+    with torch.device("meta"):
+        model = _model()
+    grid = st.placement("cpu", torch.arange(1024).reshape(128, 8).tolist())
+    plan = planner.plan(model, _batch(1024), grid, costs=planner.H100, exhaustive_limit=3)
+    assert plan.world_size == 1024 and plan.mesh == (128, 8)
+    assert {a["label"] for a in plan.alternatives} == {"data 128 x tensor 8", "sharded data 128 x tensor 8"}
+
+
+def _train(model, plan_or_none, steps=3):
+    optimizer = gpt.make_optimizer(model)
+    losses = []
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(steps):
+        tokens = torch.randint(gpt.VOCAB, (6, gpt.CONTEXT + 1), generator=gen)
+        idx, targets = tokens[:, :-1], tokens[:, 1:]
+        if plan_or_none is not None:
+            idx, targets = plan_or_none.layout((idx, targets))
+        loss = model(idx, targets)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, optimizer
+
+
+def _planned_job(mesh, memory_fraction):
+    reference = _model()
+    model = copy.deepcopy(reference)
+    target = st.placement("cpu", mesh) if mesh is not None else dist.get_world_size()
+    free = planner.plan(model, _batch(), target)
+    limit = None if memory_fraction is None else memory_fraction * free.predicted.memory_bytes
+    plan = planner.plan(model, _batch(), target, memory_per_rank=limit)
+    model.to_global(plan)
+    want, _ = _train(reference, None)
+    got, optimizer = _train(model, plan)
+    report = st.memory_report(model, optimizer)
+    return plan.to_json(), want, got, report.parameters, plan.predicted.memory["parameters"]
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize(
+    "world,mesh,memory_fraction",
+    [(3, None, None), (4, [[0, 1], [2, 3]], None), (4, None, 0.8)],
+    ids=["3-ranks", "2x2", "4-ranks-memory-limited"],
+)
+def test_a_planned_model_trains_like_one_process(world, mesh, memory_fraction):
+    results = run_on_world(world, _planned_job, mesh, memory_fraction, _timeout=240)
+    plans = {r[0] for r in results}
+    assert len(plans) == 1  # every rank applied the same plan
+    for _, want, got, stored, predicted in results:
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6)
+        assert stored <= predicted  # predicted for rank 0, whose parts are the largest
+    assert results[0][3] == results[0][4]
+    plan = planner.Plan.from_json(plans.pop())
+    if memory_fraction is not None:
+        assert plan.sharded or plan.tensor_axis is not None
