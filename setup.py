@@ -39,7 +39,8 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["sbp_torch", "sbp_torch.*"]),
     python_requires=">=3.10",
-    install_requires=["torch>=2.11", "numpy"],  # numpy only to keep torch from warning at import
+    # numpy: torch warns at import without it, and the planner uses it; scipy: the planner's integer program
+    install_requires=["torch>=2.11", "numpy", "scipy>=1.9"],
     extras_require={
         # expecttest: imported by torch's OpInfo database; ruff and import-linter: the lint tests; transformers
         # (pinned: the zoo test trains its models as they are in that version)

@@ -10,10 +10,8 @@ import collections
 import math
 from dataclasses import dataclass, field
 
-import torch
-
 from .._api._sharding import storage_sbp
-from .._layout import GlobalMeta, Partial, SbpType, Split, broadcast
+from .._layout import GlobalMeta, Partial
 from ._costs import CostModel
 from ._trace import Measured
 
@@ -144,12 +142,3 @@ def latency_estimate(costs: CostModel, placement, data_axis, sharded: bool, unit
             est.param_comm_s += buckets * latency
             est.collectives = _merged(est.collectives, {"all-reduce(sum)": buckets}, 1)
     return est
-
-
-def compute_meta(shape, dtype: torch.dtype, placement, sbp: tuple[SbpType, ...]) -> GlobalMeta:
-    return GlobalMeta(tuple(shape), dtype, placement, tuple(sbp))
-
-
-def batch_sbp(placement, data_axis: int | None, tensor: torch.Tensor) -> tuple[SbpType, ...]:
-    """A batch tensor's layout: rows split on the data axis, broadcast on every other."""
-    return tuple(Split(0) if axis == data_axis and tensor.dim() > 0 else broadcast for axis in range(placement.ndim))

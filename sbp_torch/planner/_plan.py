@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
+from .._api import module_to_global
 from .._layout import GlobalMeta, Partial, Placement, SbpType, Split, broadcast
 from .._tensor import GlobalTensor
 from ._pins import BoundaryPin
@@ -62,6 +63,7 @@ class Plan:
             None). ``sharded``: parameters are stored split over the data axis (``Module.to_global(shard=)``).
         parameters: full parameter name -> its SBP (text, one entry per placement axis) while computing.
         boundaries: unit name pattern -> the hidden state's SBP at the unit's input and output.
+        decisions: per group (the root ``""``, or a unit pattern) the option each set of modules took.
         predicted: the planner's estimate; ``alternatives``: the best estimate of every mesh and storage tried.
     """
 
@@ -73,6 +75,7 @@ class Plan:
     parameters: dict[str, str]
     boundaries: dict[str, str]
     predicted: Prediction
+    decisions: dict = field(default_factory=dict)  # group ("" root, or unit pattern) -> {modules: option}
     cost_model: str = ""
     device: str = "cpu"
     search: dict = field(default_factory=dict)
@@ -87,13 +90,8 @@ class Plan:
         ranks = torch.arange(self.world_size).reshape(self.mesh).tolist()
         return Placement(self.device, ranks)
 
-    def sbp_of(self, name: str) -> tuple[SbpType, ...]:
-        return sbp_from_text(self.parameters[name])
-
     def apply_to(self, module: nn.Module) -> nn.Module:
         """Lay ``module`` out by this plan, in place (what ``module.to_global(plan)`` does)."""
-        from .._api import module_to_global
-
         placement = self.placement()
         sbp = {name: sbp_from_text(text) for name, text in self.parameters.items()}
         shard = self.data_axis if self.sharded else None
@@ -143,9 +141,14 @@ class Plan:
             + ", ".join(f"{k} {_mib(v)}" for k, v in p.memory.items() if v),
             "  collectives per step: " + ", ".join(f"{k} {round(v)}" for k, v in sorted(p.collectives.items()) if v),
             "",
-            f"  {'parameter':48} {'layout':12}",
         ]
-        lines += [f"  {name:48} {text:12}" for name, text in self.parameters.items()]
+        for group, chosen in self.decisions.items():
+            lines += [
+                f"  {group or '(root)'}: " + ", ".join(f"{modules} {option}" for modules, option in chosen.items())
+            ]
+        split = {name: text for name, text in self.parameters.items() if set(text.split(", ")) != {"B"}}
+        lines += ["", f"  {'parameter':48} layout (every other parameter: broadcast)"]
+        lines += [f"  {name:48} {text}" for name, text in split.items()]
         lines += [f"  boundary {pattern}: {text}" for pattern, text in self.boundaries.items()]
         if self.alternatives:
             lines += ["", f"  {'layout tried':32} {'step ms':>10} {'memory':>12}"]

@@ -8,7 +8,6 @@ decides each op, so whatever the search picks runs."""
 
 from __future__ import annotations
 
-import fnmatch
 import itertools
 from dataclasses import dataclass, field
 
@@ -144,7 +143,3 @@ def parameter_layouts(model: nn.Module, groups: list[Group], choice: dict) -> di
                         if p is not None and pname in sbps:
                             layouts[first_name[id(p)]] = sbps[pname]
     return layouts
-
-
-def matches(name: str, patterns) -> bool:
-    return any(fnmatch.fnmatchcase(name, p) for p in patterns)

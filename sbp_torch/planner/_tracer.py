@@ -1,0 +1,193 @@
+"""Tracing the pieces of one model's step on one mesh: the step with its units cut to a few, and one unit alone
+from the inputs the step gave it, with parameters laid out as a run asks."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from .. import _comm as comm
+from .._api._global_mode import GlobalMode
+from .._layout import GlobalMeta, Placement, Split, broadcast
+from .._tensor import GlobalTensor
+from ._meshes import Mesh
+from ._pins import BoundaryPin
+from ._structure import options_of, unit_containers
+from ._trace import measure, meta_global
+
+
+def _loss_of(output, loss):
+    if loss is not None:
+        return loss(output)
+    if getattr(output, "loss", None) is not None:
+        return output.loss
+    if isinstance(output, torch.Tensor):
+        return output if output.dim() == 0 else output.sum()
+    raise TypeError(f"the model returned {type(output).__name__}: pass loss=<output -> scalar tensor> to plan")
+
+
+def _detached(a):
+    if isinstance(a, GlobalTensor):
+        return a.detach().requires_grad_(a.requires_grad)
+    return a
+
+
+class Tracer:
+    """Traces pieces of one model's step on one mesh; parameters get their layouts per run."""
+
+    def __init__(self, model, batch, mesh: Mesh, loss):
+        self.model, self.batch, self.mesh, self.loss = model, batch, mesh, loss
+        ranks = np.arange(math.prod(mesh.shape)).reshape(mesh.shape).tolist()
+        self.placement = Placement("cpu", ranks)
+        comm.ensure_groups(self.placement)
+        self.boundary = tuple(Split(0) if a == mesh.data_axis else broadcast for a in range(len(mesh.shape)))
+        self.containers = unit_containers(model)
+        self.modules = dict(model.named_modules())  # (taken before any truncation)
+        self.unit_args: dict[str, tuple] = {}
+        self.module_inputs: dict[str, int] = {}
+        self.metas: dict[str, GlobalMeta] = {}  # parameter name -> compute meta of the last run
+
+    def sbp(self, tensor_sbp) -> tuple:
+        return tuple(tensor_sbp if a == self.mesh.tensor_axis else broadcast for a in range(len(self.mesh.shape)))
+
+    def batch_globals(self):
+        def one(x):
+            if not isinstance(x, torch.Tensor):
+                return x
+            sbp = tuple(
+                Split(0) if a == self.mesh.data_axis and x.dim() > 0 else broadcast for a in range(len(self.mesh.shape))
+            )
+            return meta_global(GlobalMeta(tuple(x.shape), x.dtype, self.placement, sbp))
+
+        return tree_map(one, self.batch)
+
+    @contextlib.contextmanager
+    def swapped(self, scope: nn.Module, layouts: dict[str, object], prefix: str):
+        """``scope``'s parameters and buffers replaced by fake global ones (parameters by ``layouts``, full
+        names; everything else broadcast) for the block; yields the fake parameters by name."""
+        fakes: dict[int, GlobalTensor] = {}
+        named: dict[str, GlobalTensor] = {}
+        saved = []
+        for sub_name, sub in scope.named_modules(remove_duplicate=False):
+            for kind in ("_parameters", "_buffers"):
+                table = getattr(sub, kind)
+                for name, t in list(table.items()):
+                    if t is None:
+                        continue
+                    full = ".".join(filter(None, (prefix, sub_name, name)))
+                    if id(t) not in fakes:
+                        sbp = self.sbp(layouts.get(full, broadcast)) if kind == "_parameters" else self.sbp(broadcast)
+                        meta = GlobalMeta(tuple(t.shape), t.dtype, self.placement, sbp)
+                        fakes[id(t)] = meta_global(meta, requires_grad=t.requires_grad)
+                        if kind == "_parameters":
+                            self.metas[full] = meta
+                            named[full] = fakes[id(t)]
+                    saved.append((table, name, t))
+                    table[name] = fakes[id(t)]
+        try:
+            yield named
+        finally:
+            for table, name, t in saved:
+                table[name] = t
+
+    @contextlib.contextmanager
+    def truncated(self, keep: int = 2):
+        """Each unit container holds only its first ``keep`` units for the block."""
+        modules = self.modules
+        kept = []
+        for container in self.containers:
+            holder = modules[container]
+            kept.append((holder, holder._modules))
+            holder._modules = type(holder._modules)(list(holder._modules.items())[:keep])
+        try:
+            yield
+        finally:
+            for holder, original in kept:
+                holder._modules = original
+
+    @contextlib.contextmanager
+    def hooks(self, record: bool):
+        modules = self.modules
+        handles = []
+        for units in self.containers.values():
+            for unit in units[:2]:
+                pin = BoundaryPin.install(modules[unit], self.boundary)
+                handles += [pin]
+                if record:
+                    handles.append(modules[unit].register_forward_pre_hook(self._recorder(unit), with_kwargs=True))
+        keep_alive = []
+        if record:
+            for name, module in modules.items():
+                if options_of(module) is not None:
+                    handles.append(module.register_forward_pre_hook(self._input_recorder(name, keep_alive)))
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _recorder(self, unit):
+        def record(module, args, kwargs):
+            self.unit_args[unit] = tree_map(_detached, (args, kwargs))
+
+        return record
+
+    def _input_recorder(self, name, keep_alive):
+        def record(module, args):
+            if args and isinstance(args[0], torch.Tensor):
+                keep_alive.append(args[0])  # ids stay unique while the pass runs
+                self.module_inputs[name] = id(args[0])
+
+        return record
+
+    def run_model(self, layouts: dict, record: bool = False, keep: int = 2):
+        """The step with the units cut to ``keep`` per container: (measured, fake parameters by name)."""
+        with self.truncated(keep), self.hooks(record), self.swapped(self.model, layouts, "") as params:
+
+            def step():
+                with GlobalMode(self.placement, broadcast):
+                    batch = self.batch_globals()
+                    if isinstance(batch, dict):
+                        output = self.model(**batch)
+                    elif isinstance(batch, (tuple, list)):
+                        output = self.model(*batch)
+                    else:
+                        output = self.model(batch)
+                    return _loss_of(output, self.loss)
+
+            measured, _ = measure(step, list(params.values()))
+        return measured, params
+
+    def alike(self, first: str, second: str) -> bool:
+        """Whether two units have the same parameters and were called with inputs of the same layouts."""
+        modules = self.modules
+
+        def signature(unit):
+            params = [(n, tuple(p.shape)) for n, p in modules[unit].named_parameters()]
+            inputs = tree_map(lambda a: a._meta if isinstance(a, GlobalTensor) else type(a), self.unit_args[unit])
+            return params, inputs
+
+        return signature(first) == signature(second)
+
+    def run_unit(self, unit: str, layouts: dict):
+        """One unit alone, from the inputs the recording run gave it, its hidden state pinned at both edges."""
+        module = self.modules[unit]
+        args, kwargs = self.unit_args[unit]
+        args, kwargs = tree_map(_detached, (args, kwargs))
+        pin = BoundaryPin.install(module, self.boundary)
+        try:
+            with self.swapped(module, layouts, unit) as params:
+
+                def forward():
+                    with GlobalMode(self.placement, broadcast):
+                        return module(*args, **kwargs)
+
+                measured, _ = measure(forward, list(params.values()))
+        finally:
+            pin.remove()
+        return measured, params
