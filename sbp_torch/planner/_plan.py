@@ -15,6 +15,8 @@ from torch import nn
 from .._api import module_to_global
 from .._layout import GlobalMeta, Partial, Placement, SbpType, Split, broadcast
 from .._tensor import GlobalTensor
+from ._costs import CostModel
+from ._estimate import Estimate
 from ._pins import BoundaryPin
 
 
@@ -52,6 +54,18 @@ class Prediction:
     @property
     def memory_bytes(self) -> float:
         return float(sum(self.memory.values()))
+
+    @classmethod
+    def of(cls, est: Estimate, costs: CostModel) -> Prediction:
+        return cls(
+            est.step_s(costs),
+            est.compute_s,
+            est.comm_s,
+            est.param_comm_s,
+            est.optimizer_s,
+            {k: float(v) for k, v in est.memory.items()},
+            {k: float(v) for k, v in est.collectives.items() if v},
+        )
 
 
 @dataclass

@@ -31,7 +31,7 @@ class PlanError(ValueError):
     """No layout fits: the message names the smallest memory found and what dominates it."""
 
 
-def _optimizer_states(optimizer) -> int:
+def optimizer_states(optimizer) -> int:
     name = optimizer if isinstance(optimizer, str) else getattr(optimizer, "__name__", type(optimizer).__name__)
     for known, states in OPTIMIZER_STATES.items():
         if known.lower() == str(name).lower():
@@ -69,7 +69,7 @@ def plan(
     rank 0's, the same on every rank."""
     started = time.perf_counter()
     budget = costs.memory_per_rank if memory_per_rank is None else float(memory_per_rank)
-    states = _optimizer_states(optimizer)
+    states = optimizer_states(optimizer)
     if any(isinstance(p, GlobalTensor) for p in model.parameters()):
         raise ValueError("plan takes a model that is not laid out yet: plan first, then model.to_global(plan)")
     if isinstance(world, Placement):
@@ -137,15 +137,7 @@ def plan(
         decisions={
             g.pattern(): {d.label: option for d, option in zip(g.decisions, choice[i])} for i, g in enumerate(groups)
         },
-        predicted=Prediction(
-            est.step_s(costs),
-            est.compute_s,
-            est.comm_s,
-            est.param_comm_s,
-            est.optimizer_s,
-            {k: float(v) for k, v in est.memory.items()},
-            {k: float(v) for k, v in est.collectives.items() if v},
-        ),
+        predicted=Prediction.of(est, costs),
         cost_model=costs.name,
         device=device,
         search={

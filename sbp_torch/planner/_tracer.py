@@ -53,6 +53,9 @@ class Tracer:
         self.metas: dict[str, GlobalMeta] = {}  # parameter name -> compute meta of the last run
 
     def sbp(self, tensor_sbp) -> tuple:
+        """The whole SBP of a parameter whose SBP on the tensor axis is ``tensor_sbp`` (a tuple is whole already)."""
+        if isinstance(tensor_sbp, tuple):
+            return tensor_sbp
         return tuple(tensor_sbp if a == self.mesh.tensor_axis else broadcast for a in range(len(self.mesh.shape)))
 
     def batch_globals(self):
@@ -103,7 +106,8 @@ class Tracer:
         for container in self.containers:
             holder = modules[container]
             kept.append((holder, holder._modules))
-            holder._modules = type(holder._modules)(list(holder._modules.items())[:keep])
+            if keep is not None:
+                holder._modules = type(holder._modules)(list(holder._modules.items())[:keep])
         try:
             yield
         finally:
@@ -111,13 +115,13 @@ class Tracer:
                 holder._modules = original
 
     @contextlib.contextmanager
-    def hooks(self, record: bool):
+    def hooks(self, record: bool, pinned: bool = True):
         modules = self.modules
         handles = []
         for units in self.containers.values():
             for unit in units[:2]:
-                pin = BoundaryPin.install(modules[unit], self.boundary)
-                handles += [pin]
+                if pinned:
+                    handles.append(BoundaryPin.install(modules[unit], self.boundary))
                 if record:
                     handles.append(modules[unit].register_forward_pre_hook(self._recorder(unit), with_kwargs=True))
         keep_alive = []
@@ -145,9 +149,10 @@ class Tracer:
 
         return record
 
-    def run_model(self, layouts: dict, record: bool = False, keep: int = 2):
-        """The step with the units cut to ``keep`` per container: (measured, fake parameters by name)."""
-        with self.truncated(keep), self.hooks(record), self.swapped(self.model, layouts, "") as params:
+    def run_model(self, layouts: dict, record: bool = False, keep: int | None = 2, pinned: bool = True):
+        """The step with the units cut to ``keep`` per container (None: all), the hidden state pinned at unit
+        edges when ``pinned``: (measured, fake parameters by name)."""
+        with self.truncated(keep), self.hooks(record, pinned), self.swapped(self.model, layouts, "") as params:
 
             def step():
                 with GlobalMode(self.placement, broadcast):

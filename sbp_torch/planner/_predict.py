@@ -1,0 +1,64 @@
+"""``predict``: the planner's estimate for a layout written by hand, priced as a plan is, so that plans and hand
+layouts can be compared (and the estimates checked against measured steps)."""
+
+from __future__ import annotations
+
+import math
+
+from .._api._module import sbp_for
+from .._layout import Placement
+from ._costs import CPU_GLOO, CostModel
+from ._estimate import from_trace, latency_estimate, parameters_estimate
+from ._meshes import Mesh, planning_world
+from ._plan import Prediction
+from ._search import optimizer_states
+from ._structure import unit_containers
+from ._tracer import Tracer
+
+
+def predict(
+    model,
+    example_batch,
+    placement: Placement,
+    sbp,
+    *,
+    data_axis: int | None = 0,
+    tensor_axis: int | None = None,
+    shard: bool = False,
+    costs: CostModel = CPU_GLOO,
+    optimizer="AdamW",
+    loss=None,
+) -> Prediction:
+    """What the planner expects a step of ``model`` laid out by hand to cost: ``sbp`` as ``Module.to_global``
+    takes it, the batch split over ``data_axis`` (None: broadcast), parameters stored split over the data axis
+    when ``shard``. The whole step is traced (no units cut, nothing pinned), as it will run."""
+    size = math.prod(placement.shape)
+    with planning_world(size):
+        tracer = Tracer(model, example_batch, Mesh(tuple(placement.shape), data_axis, tensor_axis), loss)
+        layouts = {
+            name: sbp_for(name, p, sbp, tracer.placement) for name, p in model.named_parameters(remove_duplicate=False)
+        }
+        measured, params = tracer.run_model(layouts, keep=None, pinned=False)
+        units = [u for us in unit_containers(model).values() for u in us]
+        pairs = {True: [], False: []}
+        unit_bytes: dict = {}
+        for name, p in params.items():
+            unit = next((u for u in units if name.startswith(u + ".")), None)
+            pair = (tracer.metas[name], measured.grads.get(id(p)))
+            pairs[unit is None].append(pair)
+            if unit is not None:
+                unit_bytes.setdefault(unit, []).append(pair)
+        states = optimizer_states(optimizer)
+        common = dict(data_axis=data_axis, sharded=shard, optimizer_states=states)
+        est = from_trace(measured, costs)
+        est = est + parameters_estimate(pairs[True], costs, kept_gathered=True, **common)
+        est = est + parameters_estimate(pairs[False], costs, kept_gathered=False, **common)
+        gathered = [
+            parameters_estimate(ps, costs, kept_gathered=False, **common).memory["gathered"]
+            for ps in unit_bytes.values()
+        ]
+        root_gathered = parameters_estimate(pairs[True], costs, kept_gathered=True, **common).memory["gathered"]
+        est.memory["gathered"] = root_gathered + sum(sorted(gathered)[-2:])  # one unit computes, the next is gathered
+        grad_bytes = est.memory.get("gradients", 0)
+        est = est + latency_estimate(costs, tracer.placement, data_axis, shard, len(units) + 1, grad_bytes)
+    return Prediction.of(est, costs)
