@@ -34,6 +34,7 @@ SUITES = [
     "pipeline",
     "checkpoint",
     "sharded",
+    "plan",
     "pipeline_cuda",
     "gpt_cuda",
 ]

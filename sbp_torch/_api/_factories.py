@@ -33,7 +33,9 @@ def _build(meta: GlobalMeta, region, requires_grad: bool) -> GlobalTensor:
         region(None, None)
         local = torch.empty(0, dtype=meta.dtype, device=meta.placement.device())
     else:
-        local = region(*as_broadcast.region(coord)).to(meta.placement.device())
+        local = region(*as_broadcast.region(coord))
+        if local.device.type != "meta":  # (the planner's factories keep meta parts: shapes only)
+            local = local.to(meta.placement.device())
         local = box_local(local, as_broadcast, meta.sbp)
     out = GlobalTensor(local, meta, requires_grad=requires_grad)
     if requires_grad:

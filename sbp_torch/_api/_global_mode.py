@@ -29,12 +29,14 @@ from ._to_global import from_replica
 class GlobalMode(TorchFunctionMode):
     """``global_mode``'s torch function mode; every call other than a factory's passes through unchanged."""
 
-    def __init__(self, placement: Placement, sbp):
+    def __init__(self, placement: Placement, sbp, parts_on_meta: bool = False):
         super().__init__()
         if not isinstance(placement, Placement):
             raise TypeError(f"placement must be an sbp_torch.placement, got {type(placement).__name__}")
         self.placement = placement
         self.sbp = sbp
+        # the planner traces on global tensors whose parts are on the meta device: factories build those too
+        self.parts_on_meta = parts_on_meta
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -69,7 +71,8 @@ class GlobalMode(TorchFunctionMode):
         return pytree.tree_map_only(torch.Tensor, as_global, (args, kwargs))
 
     def _builds_here(self, device) -> bool:
-        return device is None or torch.device(device).type == self.placement.type
+        kind = None if device is None else torch.device(device).type
+        return kind is None or kind == self.placement.type or (self.parts_on_meta and kind == "meta")
 
     def sbp_for(self, ndim: int) -> tuple:
         """The mode's SBP for a new tensor; a split the tensor has no dim for is broadcast instead."""
@@ -82,7 +85,7 @@ def _value(mode: GlobalMode, func, args, kwargs):
     if func in _FROM_DATA and _holds_tensors(args[0] if args else kwargs.get("data")):
         return func(*args, **kwargs)  # a copy of a tensor it was given: one rank's value, which stays plain
     requires_grad = kwargs.pop("requires_grad", False)
-    kwargs["device"] = mode.placement.device()
+    kwargs["device"] = "meta" if mode.parts_on_meta else mode.placement.device()
     value = func(*args, **kwargs)
     if not compiling():
         return _from_value(value, mode.placement, mode.sbp_for(value.dim()), requires_grad)

@@ -6,21 +6,23 @@ per dtype family (FLOP/s), an out-of-place add (memory bandwidth), an eager glob
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from .._api import ones
 from .._layout import Placement
 from ..sbp import broadcast
 from ._costs import COLLECTIVE_FACTORS, CPU_GLOO, CostModel, Link
+from ._trace import CountOps
 
 # Per device type: the side of the square matmul and the elements of each float32 operand of the add (16 MB on a
 # CPU, 256 MB on a GPU): large enough that a run takes milliseconds and a GPU reaches its peaks.
 _SIZES = {"cpu": (512, 4 << 20), "cuda": (4096, 64 << 20)}
-_OP_CALLS = 200  # eager ops per timed repetition: one op takes microseconds, near the clock's noise
 _LINK_BYTES = (4 << 10, 4 << 20)  # all-reduces the link is fitted to: one latency-bound, one bandwidth-bound
 _MIN_LATENCY_S = 1e-6  # a fit may come out at or below zero; a free collective would mislead the planner
 
@@ -122,12 +124,27 @@ def _memory_bandwidth(elements: int, device: torch.device, repeats: int) -> floa
 
 
 def _op_overhead_s(placement: Placement, device: torch.device, repeats: int) -> float:
-    """The host seconds an eager global op adds to its local op; both sides broadcast, so no collective runs."""
-    a, b = (ones(4, placement=placement, sbp=broadcast) for _ in range(2))
-    x, y = (torch.ones(4, device=device) for _ in range(2))
-    global_s = _median_s(lambda: a + b, repeats, device, calls=_OP_CALLS)
-    local_s = _median_s(lambda: x + y, repeats, device, calls=_OP_CALLS)
-    return max(global_s - local_s, 0.0)
+    """The host seconds a global op adds to its local op inside a training step (autograd, module hooks, the
+    dispatcher): a small laid-out MLP's forward and backward against the same on plain tensors, divided by the
+    global ops the step ran. Nothing is split, so no collective runs."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 8)).to(device)
+    laid_out = copy.deepcopy(plain).to_global(placement, broadcast)
+    x = torch.ones(4, 8, device=device)
+    x_global = ones(4, 8, placement=placement, sbp=broadcast)
+
+    def step(model, inputs):
+        def run():
+            model(inputs).sum().backward()
+
+        return run
+
+    ops: list = []
+    with CountOps(ops):
+        step(laid_out, x_global)()
+    global_s = _median_s(step(laid_out, x_global), repeats, device)
+    local_s = _median_s(step(plain, x), repeats, device)
+    return max(global_s - local_s, 0.0) / max(len(ops), 1)
 
 
 def _link_values(placement: Placement, world: int, device: torch.device, repeats: int) -> tuple[float, float]:

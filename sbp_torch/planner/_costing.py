@@ -67,6 +67,8 @@ class Costing:
                 gathered = max(gathered, est.memory.get("gathered", 0))
                 total = total.plus(est, weight)
             total.memory["gathered"] = gathered * min(n, 2)  # one unit computes while the next is gathered
+            # one unit's temporaries are alive at a time, not every unit's
+            total.memory["temporaries"] = max(e.memory.get("temporaries", 0) for e, _ in per_unit)
             results[sharded] = total
         return results
 
@@ -76,6 +78,7 @@ class Costing:
         self.traces += 1
         root_params = {k: v for k, v in params.items() if not _in_containers(k, self.tracer.containers)}
         trace_est = from_trace(measured, self.costs) - units_base
+        trace_est.memory["temporaries"] = max(trace_est.memory.get("temporaries", 0), 0)
         pairs = _pairs(root_params, measured, self.tracer.metas)
         return {s: trace_est + self.params_estimate(pairs, s, kept=True) for s in (False, True)}
 
@@ -84,18 +87,19 @@ def _in_containers(name: str, containers: dict) -> bool:
     return any(name.startswith(c + ".") for c in containers)
 
 
-def search_group(costing: Costing, index: int, limit: int, costs: CostModel) -> tuple[dict, str]:
-    """Option -> estimates by storage, for every option evaluated; and how the options were searched."""
+def search_group(costing: Costing, index: int, limit: int, costs: CostModel, evaluate) -> tuple[dict, str]:
+    """Option -> estimates by storage (``evaluate(option)``), for every option evaluated; and how the options
+    were searched: all of them up to ``limit``, else coordinate descent."""
     group = costing.groups[index]
     combos = group.combinations() if costing.mesh.tensor_axis is not None else [costing.replicate(group)]
     if len(combos) <= limit:
-        return {c: costing.unit_option(index, c) for c in combos}, "exhaustive"
+        return {c: evaluate(c) for c in combos}, "exhaustive"
     found: dict = {}
     alternating = tuple(
         ("column", "row")[i % 2] if "column" in d.options else "replicate" for i, d in enumerate(group.decisions)
     )
     for seed in (costing.replicate(group), alternating):  # columns feeding rows: the pairing that needs least
-        found[seed] = costing.unit_option(index, seed)
+        found[seed] = evaluate(seed)
     current = min(found, key=lambda c: found[c][False].step_s(costs))
     improved = True
     while improved:  # coordinate descent on the replicated step time
@@ -104,7 +108,7 @@ def search_group(costing: Costing, index: int, limit: int, costs: CostModel) -> 
             for option in decision.options:
                 candidate = current[:i] + (option,) + current[i + 1 :]
                 if candidate not in found:
-                    found[candidate] = costing.unit_option(index, candidate)
+                    found[candidate] = evaluate(candidate)
                 if found[candidate][False].step_s(costs) < found[current][False].step_s(costs) - 1e-12:
                     current, improved = candidate, True
     return found, f"local search ({len(found)} of {len(combos)})"

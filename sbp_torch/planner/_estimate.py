@@ -67,7 +67,8 @@ def from_trace(measured: Measured, costs: CostModel) -> Estimate:
     compute = sum(costs.op_s(flops, nbytes, dtype) for flops, nbytes, dtype in measured.ops)
     comm = sum(costs.collective_s(c.kind, c.ranks, c.bytes) for c in measured.collectives)
     kinds = dict(collections.Counter(c.kind.split(" (")[0] for c in measured.collectives))
-    return Estimate(compute, comm, memory={"activations": measured.saved_bytes}, collectives=kinds)
+    memory = {"activations": measured.saved_bytes, "temporaries": max(measured.peak_bytes - measured.saved_bytes, 0)}
+    return Estimate(compute, comm, memory=memory, collectives=kinds)
 
 
 def _local_bytes(meta: GlobalMeta) -> int:

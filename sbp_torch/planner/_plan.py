@@ -9,6 +9,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -101,7 +102,7 @@ class Plan:
 
     def placement(self) -> Placement:
         """The placement the plan lays tensors out on: ranks 0 to world_size - 1 in the mesh's shape."""
-        ranks = torch.arange(self.world_size).reshape(self.mesh).tolist()
+        ranks = np.arange(self.world_size).reshape(self.mesh).tolist()  # (not torch: it may run under fake modes)
         return Placement(self.device, ranks)
 
     def apply_to(self, module: nn.Module) -> nn.Module:

@@ -84,20 +84,23 @@ def plan(
         groups = None
         for mesh in meshes:
             tracer = Tracer(model, example_batch, mesh, loss)
-            base, _ = tracer.run_model({}, record=True)
+            tracer.run_model({}, record=True)  # records the units' inputs and which modules share one
             if groups is None:
                 groups = groups_of(model, tracer.module_inputs)
             costing = Costing(tracer, groups, costs, states)
             tables: list[dict] = [{}]
             units_base = Estimate()
             for index in range(1, len(groups)):
-                table, method = search_group(costing, index, exhaustive_limit, costs)
+                table, method = search_group(
+                    costing, index, exhaustive_limit, costs, lambda c, i=index: costing.unit_option(i, c)
+                )
                 methods.add(method)
                 tables.append(table)
                 units_base = units_base + costing.traced[index, costing.replicate(groups[index])]
-            root_combos = groups[0].combinations() if mesh.tensor_axis is not None else [costing.replicate(groups[0])]
-            for combo in root_combos:
-                tables[0][combo] = costing.root_option(combo, units_base)
+            tables[0], method = search_group(
+                costing, 0, exhaustive_limit, costs, lambda c: costing.root_option(c, units_base)
+            )
+            methods.add(method)
             traces += costing.traces + 1
             n_units = sum(len(g.units) for g in groups[1:])
             for sharded in (False, True) if mesh.data_axis is not None and mesh.shape[mesh.data_axis] > 1 else (False,):

@@ -9,6 +9,7 @@ collective is issued as the functional op a compiled program would hold, so noth
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +31,7 @@ class Measured:
     collectives: list[Collective] = field(default_factory=list)
     ops: list[tuple[float, int, torch.dtype]] = field(default_factory=list)  # per global op: local FLOPs, bytes
     saved_bytes: int = 0  # activations autograd keeps for backward (parameters not counted)
+    peak_bytes: int = 0  # the most bytes the op outputs made during the run held at once (see ``CountOps``)
     grads: dict[int, GlobalMeta] = field(default_factory=dict)  # id(parameter) -> the layout its gradient got
 
 
@@ -37,15 +39,30 @@ def _local(a):
     return a._local if isinstance(a, GlobalTensor) else a
 
 
-class _CountOps(TorchDispatchMode):
+class CountOps(TorchDispatchMode):
     """Records each op on global tensors with its FLOPs on one rank and the bytes of its local inputs and
     outputs; views move no bytes. FLOPs are torch's formula on the logical shapes, divided by the ranks of
     every axis where the output is not broadcast (split or partial: the work is divided there; the local
-    call may slice its inputs first, so its arguments are not the shapes it computes on)."""
+    call may slice its inputs first, so its arguments are not the shapes it computes on).
+
+    Also counts the bytes of the local parts ops made that are still alive (a part is freed when its last
+    reference goes; a view keeps its base alive), and their peak: the activations, their gradients and every
+    temporary of the run, not the parameters."""
 
     def __init__(self, ops: list):
         super().__init__()
         self.ops = ops
+        self.live = 0
+        self.peak = 0
+
+    def _made(self, local: torch.Tensor) -> None:
+        nbytes = local.numel() * local.element_size()
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(local, self._freed, nbytes)
+
+    def _freed(self, nbytes: int) -> None:
+        self.live -= nbytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -63,6 +80,8 @@ class _CountOps(TorchDispatchMode):
             local = tree_map(_local, (args, kwargs, out))
             tensors = [t for t in tree_flatten(local)[0] if isinstance(t, torch.Tensor)]
             self.ops.append((flops, sum(t.numel() * t.element_size() for t in tensors), first.dtype))
+            for o in outputs:
+                self._made(o._local)
         return out
 
 
@@ -96,13 +115,15 @@ def measure(fn, params: list[GlobalTensor], *, backward: bool = True) -> tuple[M
 
     for p in params:
         p.grad = None
-    with comm.observing(recorder(found.collectives, phase), as_traced=True), _CountOps(found.ops):
+    counting = CountOps(found.ops)
+    with comm.observing(recorder(found.collectives, phase), as_traced=True), counting:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = fn()
         outputs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.requires_grad]
         if backward and outputs:
             phase["backward"] = True
             torch.autograd.backward(outputs, [torch.ones_like(o) for o in outputs])
+    found.peak_bytes = counting.peak
     for p in params:
         if p.grad is not None:
             found.grads[id(p)] = p.grad._meta

@@ -32,8 +32,13 @@ def _loss_of(output, loss):
 
 
 def _detached(a):
+    """An input recorded for a unit traced alone: global tensors cut from the graph that made them, and a
+    ``transformers`` key/value cache left out (None), since the cache the recording run filled would feed its
+    tensors to every rerun, and a training step never reads it."""
     if isinstance(a, GlobalTensor):
         return a.detach().requires_grad_(a.requires_grad)
+    if hasattr(a, "get_seq_length"):
+        return None
     return a
 
 
@@ -155,7 +160,7 @@ class Tracer:
         with self.truncated(keep), self.hooks(record, pinned), self.swapped(self.model, layouts, "") as params:
 
             def step():
-                with GlobalMode(self.placement, broadcast):
+                with GlobalMode(self.placement, broadcast, parts_on_meta=True):
                     batch = self.batch_globals()
                     if isinstance(batch, dict):
                         output = self.model(**batch)
@@ -189,7 +194,7 @@ class Tracer:
             with self.swapped(module, layouts, unit) as params:
 
                 def forward():
-                    with GlobalMode(self.placement, broadcast):
+                    with GlobalMode(self.placement, broadcast, parts_on_meta=True):
                         return module(*args, **kwargs)
 
                 measured, _ = measure(forward, list(params.values()))
