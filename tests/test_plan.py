@@ -149,6 +149,20 @@ def test_swaps_are_point_to_point_at_the_minimum_bytes(src, dst, quarters_moved)
         assert p.bytes_sent < sum(s.bytes_sent for s in search(p.meta, dst, point_to_point=False))
 
 
+@pytest.mark.parametrize("shape", [(8, 8), (7, 5), (3, 9, 2), (1, 4), (0, 6)])
+def test_a_point_to_point_step_is_priced_as_its_pieces_without_listing_them(shape):
+    """The search prices point-to-point edges from counts (their pieces grow with the square of the ranks);
+    the price must be the pieces' own, on uneven and empty parts and nested splits too."""
+    from sbp_torch._boxing.plan import _point_to_point, _point_to_point_priced
+
+    grid = st.placement("cpu", [[0, 1, 2], [3, 4, 5]])
+    sbps = [broadcast] + [split(d) for d in range(len(shape))]
+    for src, dst in itertools.product(itertools.product(sbps, repeat=2), repeat=2):
+        meta = GlobalMeta(shape, torch.float32, grid, src)
+        listed, priced = _point_to_point(meta, dst), _point_to_point_priced(meta, dst)
+        assert (priced.bytes_sent, priced.cost) == (listed.bytes_sent, listed.cost)
+
+
 def test_partial_sources_are_reduced_before_going_point_to_point():
     """(P, S0) -> (S0, S1): the minimum sends 3/4 N (the module docstring of benchmarks/suites/boxing.py);
     collectives alone send N."""

@@ -91,18 +91,93 @@ def pieces_from(held_by: dict, receivers) -> tuple[Piece, ...]:
     itself what it holds; the other holders of one box take turns."""
     turns: Counter = Counter()  # remote sends served per held (box, term) so far
     pieces = []
+    held = list(held_by.items())
+    overlapping = Overlaps([box for (box, _), _ in held])
     for rank, need, term in receivers:
-        for held, ranks in held_by.items():
-            common = intersection(held[0], need) if term is None or held[1] == term else None
-            if common is None:
+        for index in overlapping(need):  # (in ``held_by``'s order, as a plain loop over it would take them)
+            key, ranks = held[index]
+            if term is not None and key[1] != term:
                 continue
             if rank in ranks:
                 sender = rank
             else:
-                sender = ranks[turns[held] % len(ranks)]
-                turns[held] += 1
-            pieces.append(Piece(sender, rank, *common))
+                sender = ranks[turns[key] % len(ranks)]
+                turns[key] += 1
+            pieces.append(Piece(sender, rank, *intersection(key[0], need)))
     return tuple(pieces)
+
+
+class Overlaps:
+    """The boxes of a list that share an element with a query box, as their indices in ascending order.
+
+    Comparing every needed box with every held box takes time that grows with the square of the ranks (the
+    planner prices placements of thousands). Two boxes overlap when their intervals overlap on every dim, and a
+    layout's boxes take few distinct intervals per dim: so each dim's distinct intervals map to a bit mask of
+    the boxes that have them, and a query ANDs, per dim, the masks of the intervals it overlaps."""
+
+    def __init__(self, boxes: list[Box]):
+        self.all = (1 << len(boxes)) - 1
+        self.by_dim: list[dict[tuple[int, int], int]] = []
+        for d in range(len(boxes[0][0]) if boxes else 0):
+            masks: dict[tuple[int, int], int] = {}
+            for i, (starts, lengths) in enumerate(boxes):
+                interval = (starts[d], starts[d] + lengths[d])
+                masks[interval] = masks.get(interval, 0) | (1 << i)
+            self.by_dim.append(masks)
+        self.memo: dict[tuple[int, int, int], int] = {}
+
+    def _mask(self, d: int, start: int, end: int) -> int:
+        key = (d, start, end)
+        mask = self.memo.get(key)
+        if mask is None:
+            mask = 0
+            for (s, e), bits in self.by_dim[d].items():
+                if max(s, start) < min(e, end):
+                    mask |= bits
+            self.memo[key] = mask
+        return mask
+
+    def mask(self, need: Box) -> int:
+        """The boxes that overlap ``need``, as a bit mask (bit ``i``: box ``i``)."""
+        mask = self.all
+        for d, (start, length) in enumerate(zip(*need)):
+            mask &= self._mask(d, start, start + length)
+            if not mask:
+                break
+        return mask
+
+    def __call__(self, need: Box) -> list[int]:
+        mask = self.mask(need)
+        found = []
+        while mask:
+            low = mask & -mask
+            found.append(low.bit_length() - 1)
+            mask ^= low
+        return found
+
+
+def sends_between(src: GlobalMeta, dst: GlobalMeta) -> tuple[int, int]:
+    """(elements sent, messages) of ``pieces_between(src, dst)``'s remote pieces, for layouts of one placement
+    without partial axes, without building the pieces (there are up to the square of the ranks of them). Without partial
+    axes the distinct boxes of ``src`` tile the tensor, so a receiver gets all it needs but what its own box
+    holds, in one message per other box it overlaps."""
+    held_by = holders(src)
+    held = list(held_by)
+    overlaps = Overlaps([box for box, _ in held])
+    own = {}  # rank -> the index of the box it holds
+    for index, ranks in enumerate(held_by.values()):
+        own.update(dict.fromkeys(ranks, index))
+    sent = messages = 0
+    for c in dst.placement.coords():
+        rank, need = dst.placement.rank_at(c), box_of(dst, c)
+        mask = overlaps.mask(need)
+        mine = own[rank]
+        messages += mask.bit_count()
+        sent += math.prod(need[1])
+        if mask >> mine & 1:
+            messages -= 1
+            sent -= math.prod(intersection(held[mine][0], need)[1])
+    return sent, messages
 
 
 def pieces_between(src: GlobalMeta, dst: GlobalMeta) -> tuple[Piece, ...]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from .._layout import GlobalMeta, Partial, SbpType, Split, broadcast
-from .pieces import Piece, box_of, intersection, pieces_between
+from .pieces import Piece, pieces_between, sends_between
 from .transitions import AxisView, transition
 
 POINT_TO_POINT = "send/recv"
@@ -160,6 +160,15 @@ def _point_to_point(at: GlobalMeta, goal: tuple) -> BoxingStep:
     return BoxingStep(-1, at.sbp, goal, POINT_TO_POINT, sent, sent + len(moved) * LATENCY_BYTES_PER_RANK, pieces)
 
 
+@lru_cache(maxsize=65536)
+def _point_to_point_priced(at: GlobalMeta, goal: tuple) -> BoxingStep:
+    """``_point_to_point(at, goal)`` without its pieces: the same bytes and cost, found without listing the
+    pieces (up to the square of the ranks of them), which only the step a plan keeps needs."""
+    elements, messages = sends_between(at, at.with_sbp(goal))
+    sent = elements * at.dtype.itemsize
+    return BoxingStep(-1, at.sbp, goal, POINT_TO_POINT, sent, sent + messages * LATENCY_BYTES_PER_RANK)
+
+
 @lru_cache(maxsize=4096)
 def plan_boxing(meta: GlobalMeta, dst_sbp: tuple[SbpType, ...]) -> BoxingPlan:
     """The plan that takes a global tensor of ``meta`` to ``dst_sbp`` on the same placement (both validated):
@@ -172,28 +181,13 @@ def plan_boxing(meta: GlobalMeta, dst_sbp: tuple[SbpType, ...]) -> BoxingPlan:
     if any(isinstance(s, Partial) for s in start):
         return BoxingPlan(meta, dst_sbp, search(meta, goal))
     # From a source without partial axes the only point-to-point edge leads straight to the goal: the same
-    # as searching with it, but its pieces are computed only when a cheap bound says it could win.
+    # as searching with it, but its pieces are listed only when it wins.
     steps = search(meta, goal, point_to_point=False)
     cost = sum(s.cost for s in steps)
     small = len(meta.placement.flat_ranks) <= POINT_TO_POINT_MAX_RANKS
-    if small and not any(isinstance(s, Partial) for s in goal) and _deficit_bound(meta, goal) < cost:
-        swap = _point_to_point(meta, goal)
-        if swap.cost < cost:  # on a tie the collectives win, as in the search
-            steps = (swap,)
+    if small and not any(isinstance(s, Partial) for s in goal) and _point_to_point_priced(meta, goal).cost < cost:
+        steps = (_point_to_point(meta, goal),)  # on a tie the collectives win, as in the search
     return BoxingPlan(meta, dst_sbp, steps)
-
-
-def _deficit_bound(meta: GlobalMeta, goal: tuple) -> int:
-    """A lower bound of the point-to-point step's cost: every rank receives at least what it needs and does
-    not hold, in at least one message."""
-    target, total, receivers = meta.with_sbp(goal), 0, 0
-    for c in meta.placement.coords():
-        need = box_of(target, c)
-        common = intersection(box_of(meta, c), need)
-        missing = math.prod(need[1]) - (math.prod(common[1]) if common else 0)
-        if missing:
-            total, receivers = total + missing, receivers + 1
-    return total * meta.dtype.itemsize + receivers * LATENCY_BYTES_PER_RANK
 
 
 def search(meta: GlobalMeta, goal: tuple[SbpType, ...], point_to_point: bool = True) -> tuple[BoxingStep, ...]:
@@ -230,10 +224,12 @@ def search(meta: GlobalMeta, goal: tuple[SbpType, ...], point_to_point: bool = T
                 relax(cur, cur[:axis] + (t,) + cur[axis + 1 :], _step(meta.with_sbp(cur), axis, t), cost, n_steps)
         if goal_whole and _reduced_only(start, cur):
             # counted as more steps than any per-axis route, so that on a tie those win (local slices are views)
-            relax(cur, goal, _point_to_point(meta.with_sbp(cur), goal), cost, n_steps, weight=len(goal) + 1)
+            relax(cur, goal, _point_to_point_priced(meta.with_sbp(cur), goal), cost, n_steps, weight=len(goal) + 1)
     steps = []
     cur = goal
     while cur != start:
         cur, step = came_from[cur]
+        if step.collective == POINT_TO_POINT:  # priced only: list its pieces now that the plan keeps it
+            step = _point_to_point(meta.with_sbp(cur), goal)
         steps.append(step)
     return tuple(reversed(steps))
