@@ -15,6 +15,8 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
+import numpy as np
+
 from .._layout import GlobalMeta, Partial, SbpType, Split, broadcast
 from .pieces import Piece, pieces_between, sends_between
 from .transitions import AxisView, transition
@@ -118,14 +120,37 @@ def _commutes(cur: tuple[SbpType, ...], axis: int, s: SbpType, t: SbpType) -> bo
     return not any(_conflicts(later, dims, op) for later in cur[axis + 1 :])
 
 
+def _axis_views(meta: GlobalMeta, axis: int) -> tuple[list[AxisView], list[int]]:
+    """The distinct views (``axis_view``) of ``meta``'s ranks on ``axis``, and the index of each rank's among
+    them, in the placement's row-major order. A placement has up to thousands of ranks and few distinct views (balanced
+    parts take at most two lengths per split): the regions are computed for all ranks at once."""
+    shape = meta.placement.shape
+    coords = np.indices(shape).reshape(len(shape), -1)  # row-major, as ``placement.coords()``
+    lengths = [np.full(coords.shape[1], n, dtype=np.int64) for n in meta.shape]
+    extent = lengths
+    for a, sbp in enumerate(meta.sbp):  # ``GlobalMeta.region``, on every rank at once
+        if a == axis:
+            extent = list(lengths)
+        if isinstance(sbp, Split):
+            base, extra = np.divmod(lengths[sbp.dim], shape[a])
+            lengths[sbp.dim] = base + (coords[a] < extra)
+    numel = np.prod(np.stack(lengths), axis=0) if lengths else np.ones(coords.shape[1], dtype=np.int64)
+    rows = np.stack([*extent, numel, coords[axis]], axis=1)
+    distinct, of_rank = np.unique(rows, axis=0, return_inverse=True)
+    views = [AxisView(tuple(r[:-2]), r[-2], shape[axis], r[-1]) for r in distinct.tolist()]
+    return views, of_rank.reshape(-1).tolist()
+
+
 @lru_cache(maxsize=65536)
 def _step(at: GlobalMeta, axis: int, t: SbpType) -> BoxingStep:
     """Moving ``axis`` of a tensor laid out as ``at`` to ``t``, with its bytes (memoized: the searches of
     one decision's candidates share most of their steps)."""
     s = at.sbp[axis]
     row = transition(s, t)
-    coords = at.placement.coords()
-    sent = round(sum(row.sent(s, t, axis_view(at, axis, c)) for c in coords) * at.dtype.itemsize)
+    views, of_rank = _axis_views(at, axis)
+    sent_by = [row.sent(s, t, v) for v in views]
+    total = sum(sent_by[i] for i in of_rank)  # every rank's, in order: the same floats as rank by rank
+    sent = round(total * at.dtype.itemsize)
     ranks = len(at.placement.flat_ranks) if not row.is_local and at.placement.shape[axis] > 1 else 0
     return BoxingStep(axis, s, t, row.collective, sent, sent + ranks * LATENCY_BYTES_PER_RANK)
 
