@@ -135,9 +135,15 @@ def _axis_views(meta: GlobalMeta, axis: int) -> tuple[list[AxisView], list[int]]
             base, extra = np.divmod(lengths[sbp.dim], shape[a])
             lengths[sbp.dim] = base + (coords[a] < extra)
     numel = np.prod(np.stack(lengths), axis=0) if lengths else np.ones(coords.shape[1], dtype=np.int64)
-    rows = np.stack([*extent, numel, coords[axis]], axis=1)
-    distinct, of_rank = np.unique(rows, axis=0, return_inverse=True)
-    views = [AxisView(tuple(r[:-2]), r[-2], shape[axis], r[-1]) for r in distinct.tolist()]
+    columns = [*extent, numel, coords[axis]]
+    # Rows told apart by one integer code, column by column (``np.unique`` of rows sorts them as bytes, slowly).
+    codes = np.zeros(coords.shape[1], dtype=np.int64)
+    for column in columns:
+        values, code = np.unique(column, return_inverse=True)
+        codes = np.unique(codes * len(values) + code.reshape(-1), return_inverse=True)[1].reshape(-1)
+    _, first, of_rank = np.unique(codes, return_index=True, return_inverse=True)
+    rows = np.stack(columns, axis=1)[first].tolist()
+    views = [AxisView(tuple(r[:-2]), r[-2], shape[axis], r[-1]) for r in rows]
     return views, of_rank.reshape(-1).tolist()
 
 
