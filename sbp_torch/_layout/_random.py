@@ -19,6 +19,8 @@ def random_region(kind: str, shape: tuple[int, ...], dtype: torch.dtype, starts,
     """The box ``starts``/``lengths`` of a fresh ``"uniform"`` or ``"normal"`` random tensor of logical ``shape``
     and ``dtype``. Every rank must call it, as it advances the generator by one draw of the whole logical tensor;
     ranks outside the placement pass ``starts=None`` and only advance the generator (getting None)."""
+    if device.type == "meta":  # parts with a shape and no values (the planner's traces): no generator moves
+        return None if starts is None else torch.empty(tuple(lengths), dtype=dtype, device="meta")
     if device.type == "cpu":
         full = _TORCH_DRAW[kind](shape, dtype=dtype)
         return None if starts is None else narrow_to(full, starts, lengths)

@@ -17,7 +17,7 @@ from torch import nn
 from .._api import ones
 from .._layout import Placement
 from ..sbp import broadcast
-from ._costs import COLLECTIVE_FACTORS, CPU_GLOO, CostModel, Link
+from ._costs import COLLECTIVE_RULES, CPU_GLOO, CostModel, Link
 from ._trace import CountOps
 
 # Per device type: the side of the square matmul and the elements of each float32 operand of the add (16 MB on a
@@ -86,6 +86,7 @@ def calibrate(placement: Placement | None = None, *, repeats: int = 5) -> CostMo
         inter=link,
         ranks_per_node=world,
         overlap=0.8 if device.type == "cuda" else 0.0,
+        optimizer_foreach=device.type == "cuda",
         memory_per_rank=memory,
     )
 
@@ -155,7 +156,7 @@ def _link_values(placement: Placement, world: int, device: torch.device, repeats
     group = None if len(ranks) == world else dist.new_group(ranks)  # every rank of the world enters new_group
     if dist.get_rank() not in ranks:
         return 0.0, 0.0  # not used: every rank takes the placement's first rank's numbers
-    factor = COLLECTIVE_FACTORS["all-reduce"](len(ranks))
+    steps, factor = (rule(len(ranks)) for rule in COLLECTIVE_RULES["all-reduce"])
     flag = torch.zeros(1, device=device)
 
     def align():  # the ranks start each call together: no rank's lag on the clock
@@ -171,7 +172,7 @@ def _link_values(placement: Placement, world: int, device: torch.device, repeats
     # Two points fix the line time = latency + factor * bytes / bandwidth; when noise makes the larger call no
     # slower, the larger call's time is all bandwidth.
     bandwidth = factor * (large - small) / (large_s - small_s) if large_s > small_s else factor * large / large_s
-    return max(small_s - factor * small / bandwidth, _MIN_LATENCY_S), bandwidth
+    return max((small_s - factor * small / bandwidth) / steps, _MIN_LATENCY_S), bandwidth  # latency per step
 
 
 def _agree(values: list[float], src: int, device: torch.device) -> list[float]:

@@ -1,15 +1,17 @@
 """The cost model: what a collective, an op and a step cost on some machine, as data with named constants.
 
-Communication is priced per collective as ``latency + factor * bytes / bandwidth`` on the link its group
-spans (within a node or across nodes), where ``factor`` is what a ring algorithm moves per byte a rank puts
-in (``COLLECTIVE_FACTORS``). Compute is priced per op by the roofline: the larger of its FLOPs against the
-peak of its dtype and its bytes against memory bandwidth, both at ``efficiency``, plus the host's time per op
-(``op_overhead_s``: the Python of an eager global op). Parameter collectives (gradient reductions, sharded
-gathers) run beside compute: ``overlap`` is the fraction of their time compute hides."""
+Communication is priced per collective as ``steps * latency + factor * bytes / bandwidth`` on the link its
+group spans (within a node or across nodes), where ``steps`` are the messages in sequence a ring algorithm
+needs and ``factor`` what it moves per byte a rank puts in (``COLLECTIVE_RULES``). Compute is priced per op
+by the roofline: the larger of its FLOPs against the peak of its dtype and its bytes against memory
+bandwidth, both at ``efficiency``, plus the host's time per op (``op_overhead_s``: the Python of an eager
+global op). Parameter collectives (gradient reductions, sharded gathers) run beside compute: ``overlap`` is
+the fraction of their time compute hides."""
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
@@ -17,28 +19,29 @@ import torch
 
 @dataclass(frozen=True)
 class Link:
-    """One kind of connection between ranks: seconds per collective call and bytes per second."""
+    """One kind of connection between ranks: seconds per message step of a collective, and bytes per second."""
 
     latency_s: float
     bandwidth: float
 
 
-# Collective kind prefix (as ``sbp_torch.explain`` names it) -> (bytes moved per byte a rank puts in, as a
-# function of the group size n); a ring all-reduce moves each byte twice, an all-gather sends its part n-1 times.
-COLLECTIVE_FACTORS = {
-    "all-reduce": lambda n: 2 * (n - 1) / n,
-    "reduce-scatter": lambda n: (n - 1) / n,
-    "all-gather": lambda n: n - 1,
-    "all-to-all": lambda n: (n - 1) / n,
-    "broadcast": lambda n: 1.0,
-    "point-to-point": lambda n: 1.0,  # the bytes a rank sends to the ranks that need them
+# Collective kind prefix (as ``sbp_torch.explain`` names it) -> (the messages in sequence a ring algorithm needs,
+# the bytes it moves per byte a rank puts in), as functions of the group size n: a ring all-reduce takes 2(n-1)
+# steps and moves each byte twice; an all-gather sends its part n-1 times.
+COLLECTIVE_RULES = {
+    "all-reduce": (lambda n: 2 * (n - 1), lambda n: 2 * (n - 1) / n),
+    "reduce-scatter": (lambda n: n - 1, lambda n: (n - 1) / n),
+    "all-gather": (lambda n: n - 1, lambda n: n - 1),
+    "all-to-all": (lambda n: n - 1, lambda n: (n - 1) / n),
+    "broadcast": (lambda n: math.ceil(math.log2(n)), lambda n: 1.0),
+    "point-to-point": (lambda n: 1, lambda n: 1.0),  # the bytes a rank sends to the ranks that need them
 }
 
 
-def _factor(kind: str, n: int) -> float:
-    for prefix, factor in COLLECTIVE_FACTORS.items():
+def _rule(kind: str):
+    for prefix, rule in COLLECTIVE_RULES.items():
         if kind.startswith(prefix):
-            return factor(n)
+            return rule
     raise ValueError(f"no cost rule for the collective {kind!r}")
 
 
@@ -59,6 +62,8 @@ class CostModel:
         ranks_per_node: how many consecutive ranks share a node.
         overlap: the fraction of parameter-collective time hidden behind compute.
         memory_per_rank: bytes a rank has for the step (the default limit ``plan`` checks against).
+        optimizer_foreach: the optimizer makes each elementwise pass over all parameters in one call (torch's
+            default on CUDA), not one call per parameter (its default on CPU).
     """
 
     name: str
@@ -66,11 +71,12 @@ class CostModel:
     memory_bandwidth: float = 1e11
     efficiency: float = 0.6
     op_overhead_s: float = 0.0
-    intra: Link = Link(1e-5, 1e11)
-    inter: Link = Link(2e-5, 1e10)
+    intra: Link = Link(2e-6, 1e11)
+    inter: Link = Link(5e-6, 1e10)
     ranks_per_node: int = 8
     overlap: float = 0.0
     memory_per_rank: float = float("inf")
+    optimizer_foreach: bool = False
 
     def link(self, ranks) -> Link:
         """The link a group of ``ranks`` communicates over."""
@@ -78,11 +84,14 @@ class CostModel:
 
     def collective_s(self, kind: str, ranks, nbytes: int) -> float:
         """Seconds one collective ``kind`` takes in the group ``ranks`` when each rank puts in ``nbytes``."""
-        n = len(ranks)
-        if n <= 1:
+        if len(ranks) <= 1:
             return 0.0
-        link = self.link(ranks)
-        return link.latency_s + _factor(kind, n) * nbytes / link.bandwidth
+        factor = _rule(kind)[1](len(ranks))
+        return self.latency_s(kind, ranks) + factor * nbytes / self.link(ranks).bandwidth
+
+    def latency_s(self, kind: str, ranks) -> float:
+        """The part of a collective's time that does not depend on its bytes: its steps times the link's."""
+        return _rule(kind)[0](len(ranks)) * self.link(ranks).latency_s if len(ranks) > 1 else 0.0
 
     def op_s(self, flops: float, nbytes: float, dtype: torch.dtype) -> float:
         """Seconds of one op on one rank: the roofline of its FLOPs and bytes, plus the host's overhead."""
@@ -110,11 +119,12 @@ H100 = CostModel(
     memory_bandwidth=3.35e12,
     efficiency=0.6,
     op_overhead_s=3e-5,
-    intra=Link(1e-5, 3.6e11),
-    inter=Link(2e-5, 4.5e10),
+    intra=Link(2e-6, 3.6e11),
+    inter=Link(5e-6, 4.5e10),
     ranks_per_node=8,
     overlap=0.8,
     memory_per_rank=80e9,
+    optimizer_foreach=True,
 )
 A100 = CostModel(
     name="A100 SXM node (NVLink 3, 200 Gb/s InfiniBand per GPU)",
@@ -122,11 +132,12 @@ A100 = CostModel(
     memory_bandwidth=2.0e12,
     efficiency=0.6,
     op_overhead_s=3e-5,
-    intra=Link(1e-5, 2.4e11),
-    inter=Link(2e-5, 2.25e10),
+    intra=Link(2e-6, 2.4e11),
+    inter=Link(5e-6, 2.25e10),
     ranks_per_node=8,
     overlap=0.8,
     memory_per_rank=80e9,
+    optimizer_foreach=True,
 )
 # CPU ranks on one host talking gloo over loopback, as on the development machines: a rough default; calibrate
 # for numbers that fit the machine at hand.
@@ -136,8 +147,8 @@ CPU_GLOO = CostModel(
     memory_bandwidth=5e9,
     efficiency=1.0,
     op_overhead_s=1e-4,
-    intra=Link(1.5e-4, 1e9),
-    inter=Link(1.5e-4, 1e9),
+    intra=Link(2.5e-5, 1e9),
+    inter=Link(2.5e-5, 1e9),
     ranks_per_node=1 << 30,
     overlap=0.0,
 )

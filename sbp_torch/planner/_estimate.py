@@ -115,14 +115,15 @@ def parameters_estimate(
             if isinstance(sbp, Partial) and not (stored is not compute and axis == data_axis):
                 ranks = _axis_ranks(compute, axis)
                 est.param_comm_s += _bandwidth_s(costs, "all-reduce", ranks, _local_bytes(compute))
-    est.optimizer_s = OPTIMIZER_PASSES * (stored_total / costs.memory_bandwidth) / costs.efficiency
+    calls = 1 if costs.optimizer_foreach else len(params)  # torch's foreach path: one call per pass for all
+    est.optimizer_s = OPTIMIZER_PASSES * (stored_total / costs.memory_bandwidth / costs.efficiency)
+    est.optimizer_s += OPTIMIZER_PASSES * calls * costs.op_overhead_s
     return est
 
 
 def _bandwidth_s(costs: CostModel, kind: str, ranks, nbytes: int) -> float:
-    """A collective's time without its latency (latencies are counted per bucket or unit, ``latency_s``)."""
-    full = costs.collective_s(kind, ranks, nbytes)
-    return max(full - costs.link(ranks).latency_s, 0.0) if len(ranks) > 1 else 0.0
+    """A collective's time without its latency (latencies are counted per bucket or unit, ``latency_estimate``)."""
+    return costs.collective_s(kind, ranks, nbytes) - costs.latency_s(kind, ranks)
 
 
 def latency_estimate(costs: CostModel, placement, data_axis, sharded: bool, units: int, grad_bytes: int) -> Estimate:
@@ -134,12 +135,12 @@ def latency_estimate(costs: CostModel, placement, data_axis, sharded: bool, unit
         ranks = placement.axis_ranks(axis, coord)
         if len(ranks) < 2:
             continue
-        latency = costs.link(ranks).latency_s
         if sharded and axis == data_axis:
-            est.param_comm_s += 3 * units * latency
+            gather, scatter = costs.latency_s("all-gather", ranks), costs.latency_s("reduce-scatter", ranks)
+            est.param_comm_s += units * (2 * gather + scatter)
             est.collectives = _merged(est.collectives, {"all-gather": 2 * units, "reduce-scatter(sum)": units}, 1)
         else:
             buckets = max(1, math.ceil(grad_bytes / BUCKET_BYTES))
-            est.param_comm_s += buckets * latency
+            est.param_comm_s += buckets * costs.latency_s("all-reduce", ranks)
             est.collectives = _merged(est.collectives, {"all-reduce(sum)": buckets}, 1)
     return est

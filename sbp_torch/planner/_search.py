@@ -52,8 +52,8 @@ def plan(
     device: str = "cpu",
 ) -> Plan:
     """The layout of ``model``'s training step on ``world`` ranks with the least predicted step time that fits
-    ``memory_per_rank`` bytes (default: the cost model's), found by tracing on fake tensors: no data moves and
-    no process group is needed (torch's fake backend stands in for any world size).
+    ``memory_per_rank`` bytes (default: the cost model's), found by tracing on global tensors with meta parts: no
+    data moves and no process group is needed (torch's fake backend stands in for any world size).
 
     Args:
         model: a plain model (not laid out yet); its parameters may be on the meta device.
@@ -63,7 +63,7 @@ def plan(
         optimizer: its class or name, for the state it keeps (``"AdamW"``: two tensors per parameter).
         loss: ``output -> scalar`` when the model's output is not the loss and has no ``.loss``.
         exhaustive_limit: a unit with more option combinations than this is searched by coordinate descent.
-        device: the device type the plan's placement will have (tracing itself runs on fake CPU parts).
+        device: the device type the plan's placement will have (tracing itself runs on meta parts).
 
     Raises ``PlanError`` when no layout fits. Inside a process group every rank must call it; the plan is
     rank 0's, the same on every rank."""
@@ -87,21 +87,9 @@ def plan(
             tracer.run_model({}, record=True)  # records the units' inputs and which modules share one
             if groups is None:
                 groups = groups_of(model, tracer.module_inputs)
-            costing = Costing(tracer, groups, costs, states)
-            tables: list[dict] = [{}]
-            units_base = Estimate()
-            for index in range(1, len(groups)):
-                table, method = search_group(
-                    costing, index, exhaustive_limit, costs, lambda c, i=index: costing.unit_option(i, c)
-                )
-                methods.add(method)
-                tables.append(table)
-                units_base = units_base + costing.traced[index, costing.replicate(groups[index])]
-            tables[0], method = search_group(
-                costing, 0, exhaustive_limit, costs, lambda c: costing.root_option(c, units_base)
-            )
-            methods.add(method)
-            traces += costing.traces + 1
+            tables, searched = _tables(Costing(tracer, groups, costs, states), exhaustive_limit)
+            methods.update(searched["methods"])
+            traces += searched["traces"] + 1
             n_units = sum(len(g.units) for g in groups[1:])
             for sharded in (False, True) if mesh.data_axis is not None and mesh.shape[mesh.data_axis] > 1 else (False,):
                 picks = choose(tables, budget, costs, sharded)
@@ -156,6 +144,21 @@ def plan(
         dist.broadcast_object_list(shared, src=0)
         found = Plan.from_json(shared[0])
     return found
+
+
+def _tables(costing: Costing, limit: int) -> tuple[list[dict], dict]:
+    """Per group (the root first) option -> estimates by storage, for one mesh; and how the search went."""
+    groups, costs, methods = costing.groups, costing.costs, set()
+    tables: list[dict] = [{}]
+    units_base = Estimate()  # the traced part of each container's first unit at "replicate": in the cut step
+    for index in range(1, len(groups)):
+        table, method = search_group(costing, index, limit, costs, lambda c, i=index: costing.unit_option(i, c))
+        methods.add(method)
+        tables.append(table)
+        units_base = units_base + costing.traced[index, costing.replicate(groups[index])]
+    tables[0], method = search_group(costing, 0, limit, costs, lambda c: costing.root_option(c, units_base))
+    methods.add(method)
+    return tables, {"methods": methods, "traces": costing.traces}
 
 
 def _assemble(tables: list[dict], picks: list, sharded: bool) -> Estimate:
