@@ -84,6 +84,19 @@ def test_a_model_on_the_meta_device_plans_for_a_thousand_ranks():
     assert {a["label"] for a in plan.alternatives} == {"data 128 x tensor 8", "sharded data 128 x tensor 8"}
 
 
+def test_an_unmodified_transformers_model_on_the_meta_device_plans_with_dropout_and_cache_on():
+    """GPT-2 as its config makes it: dropout on (random ops on meta parts), the key/value cache on (a unit traced
+    alone gets none), position ids from a factory given the parts' device (built as meta parts)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=16, vocab_size=64)
+    with torch.device("meta"):
+        model = transformers.GPT2LMHeadModel(config)
+    ids = torch.zeros(8, 16, dtype=torch.long)
+    plan = planner.plan(model, {"input_ids": ids, "labels": ids}, st.placement("cpu", [[0, 1], [2, 3]]))
+    assert plan.decisions["transformer.h.*"].keys() == {"attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"}
+    assert plan.boundaries == {"transformer.h.*": "S(0), B"}
+
+
 def _train(model, plan_or_none, steps=3):
     optimizer = gpt.make_optimizer(model)
     losses = []

@@ -11,7 +11,8 @@ import math
 from dataclasses import dataclass, field
 
 from .._api._sharding import storage_sbp
-from .._layout import GlobalMeta, Partial
+from .._boxing import plan_boxing
+from .._layout import GlobalMeta
 from ._costs import CostModel
 from ._trace import Measured
 
@@ -31,6 +32,7 @@ class Estimate:
     optimizer_s: float = 0.0
     memory: dict = field(default_factory=dict)  # term -> bytes
     collectives: dict = field(default_factory=dict)  # kind -> count per step
+    reduced: dict = field(default_factory=dict)  # "axis:collective:layout" -> gradient bytes it moves per step
 
     def __add__(self, other: Estimate) -> Estimate:
         return self.plus(other, 1.0)
@@ -47,6 +49,7 @@ class Estimate:
             self.optimizer_s + k * other.optimizer_s,
             _merged(self.memory, other.memory, k),
             _merged(self.collectives, other.collectives, k),
+            _merged(self.reduced, other.reduced, k),
         )
 
     def step_s(self, costs: CostModel) -> float:
@@ -111,10 +114,23 @@ def parameters_estimate(
             gathers = 1 if kept_gathered else 2
             est.param_comm_s += gathers * _bandwidth_s(costs, "all-gather", ranks, nbytes)
             est.param_comm_s += _bandwidth_s(costs, "reduce-scatter", ranks, _local_bytes(compute))
-        for axis, sbp in enumerate(grad.sbp if grad is not None else ()):
-            if isinstance(sbp, Partial) and not (stored is not compute and axis == data_axis):
-                ranks = _axis_ranks(compute, axis)
-                est.param_comm_s += _bandwidth_s(costs, "all-reduce", ranks, _local_bytes(compute))
+        if grad is not None and tuple(grad.sbp) != tuple(compute.sbp):
+            # Module.to_global's reducer boxes each gradient to its parameter's layout, by the boxing planner's
+            # steps; a sharded parameter's reduce-scatter over the data axis is counted above
+            current = tuple(grad.sbp)
+            for step in plan_boxing(grad, tuple(compute.sbp)).steps:
+                before = grad.with_sbp(current)
+                if step.axis >= 0:
+                    current = current[: step.axis] + (step.dst,) + current[step.axis + 1 :]
+                else:  # a point-to-point step changes every axis at once
+                    current = tuple(step.dst)
+                if step.collective.startswith("local") or (stored is not compute and step.axis == data_axis):
+                    continue
+                ranks = _axis_ranks(compute, step.axis) if step.axis >= 0 else tuple(compute.placement.flat_ranks)
+                nbytes = _local_bytes(before)
+                est.param_comm_s += _bandwidth_s(costs, step.collective, ranks, nbytes)
+                key = f"{step.axis}:{step.collective}:{before.sbp}"  # the reducer buckets by layout
+                est.reduced[key] = est.reduced.get(key, 0) + nbytes
     calls = 1 if costs.optimizer_foreach else len(params)  # torch's foreach path: one call per pass for all
     est.optimizer_s = OPTIMIZER_PASSES * (stored_total / costs.memory_bandwidth / costs.efficiency)
     est.optimizer_s += OPTIMIZER_PASSES * calls * costs.op_overhead_s
@@ -126,21 +142,22 @@ def _bandwidth_s(costs: CostModel, kind: str, ranks, nbytes: int) -> float:
     return costs.collective_s(kind, ranks, nbytes) - costs.latency_s(kind, ranks)
 
 
-def latency_estimate(costs: CostModel, placement, data_axis, sharded: bool, units: int, grad_bytes: int) -> Estimate:
+def latency_estimate(costs: CostModel, placement, data_axis, sharded: bool, units: int, reduced: dict) -> Estimate:
     """The per-call latencies of the parameter collectives: per unit when sharded (two gathers, one
-    reduce-scatter), else per gradient bucket on each axis."""
+    reduce-scatter), and per gradient bucket for each axis, collective and layout in ``reduced``."""
     est = Estimate()
     coord = placement.local_coord()
-    for axis in range(placement.ndim):
-        ranks = placement.axis_ranks(axis, coord)
-        if len(ranks) < 2:
-            continue
-        if sharded and axis == data_axis:
-            gather, scatter = costs.latency_s("all-gather", ranks), costs.latency_s("reduce-scatter", ranks)
-            est.param_comm_s += units * (2 * gather + scatter)
-            est.collectives = _merged(est.collectives, {"all-gather": 2 * units, "reduce-scatter(sum)": units}, 1)
-        else:
-            buckets = max(1, math.ceil(grad_bytes / BUCKET_BYTES))
-            est.param_comm_s += buckets * costs.latency_s("all-reduce", ranks)
-            est.collectives = _merged(est.collectives, {"all-reduce(sum)": buckets}, 1)
+    if sharded and data_axis is not None and placement.shape[data_axis] > 1:
+        ranks = placement.axis_ranks(data_axis, coord)
+        gather, scatter = costs.latency_s("all-gather", ranks), costs.latency_s("reduce-scatter", ranks)
+        est.param_comm_s += units * (2 * gather + scatter)
+        est.collectives = {"all-gather": 2 * units, "reduce-scatter(sum)": units}
+    for key, nbytes in reduced.items():
+        axis, collective, _ = key.split(":", 2)
+        ranks = placement.axis_ranks(int(axis), coord) if int(axis) >= 0 else placement.flat_ranks
+        if nbytes > 0 and len(ranks) > 1:
+            buckets = math.ceil(nbytes / BUCKET_BYTES)
+            est.param_comm_s += buckets * costs.latency_s(collective, ranks)
+            kind = f"{collective}(sum)" if collective in ("all-reduce", "reduce-scatter") else collective
+            est.collectives = _merged(est.collectives, {kind: buckets}, 1)
     return est

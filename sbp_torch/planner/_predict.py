@@ -59,6 +59,5 @@ def predict(
         ]
         root_gathered = parameters_estimate(pairs[True], costs, kept_gathered=True, **common).memory["gathered"]
         est.memory["gathered"] = root_gathered + sum(sorted(gathered)[-2:])  # one unit computes, the next is gathered
-        grad_bytes = est.memory.get("gradients", 0)
-        est = est + latency_estimate(costs, tracer.placement, data_axis, shard, len(units) + 1, grad_bytes)
+        est = est + latency_estimate(costs, tracer.placement, data_axis, shard, len(units) + 1, est.reduced)
     return Prediction.of(est, costs)

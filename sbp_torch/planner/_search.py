@@ -101,8 +101,7 @@ def plan(
                 if picks is None:
                     continue
                 est = _assemble(tables, picks, sharded)
-                grad_bytes = est.memory.get("gradients", 0)
-                est = est + latency_estimate(costs, tracer.placement, mesh.data_axis, sharded, n_units + 1, grad_bytes)
+                est = est + latency_estimate(costs, tracer.placement, mesh.data_axis, sharded, n_units + 1, est.reduced)
                 label = describe_mesh(mesh.shape, mesh.data_axis, mesh.tensor_axis, sharded)
                 alternatives.append({"label": label, "step_s": est.step_s(costs), "memory_bytes": est.memory_bytes()})
                 if best is None or est.step_s(costs) < best[0].step_s(costs):
