@@ -5,8 +5,8 @@ axis (split, broadcast or partial). Importing this package adds ``to_global`` an
 ``torch.Tensor`` and ``to_global`` to ``torch.nn.Module``.
 
 The names below are the public API; ``sbp_torch.sbp``, ``sbp_torch.pipeline``, ``sbp_torch.kernels`` and
-``sbp_torch.planner`` (imported on its own: it needs scipy) are public modules. Everything in a module or folder whose name starts with ``_`` is the implementation, laid
-out in layers (``docs/architecture.md``).
+``sbp_torch.planner`` (imported on its own: it needs scipy) are public modules. Everything in a module or
+folder whose name starts with ``_`` is the implementation, laid out in layers (``docs/architecture.md``).
 """
 
 import torch

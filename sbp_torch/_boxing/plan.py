@@ -17,6 +17,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from .._comm import compiling
 from .._layout import GlobalMeta, Partial, SbpType, Split, broadcast
 from .pieces import Piece, pieces_between, sends_between
 from .transitions import AxisView, transition
@@ -153,7 +154,11 @@ def _step(at: GlobalMeta, axis: int, t: SbpType) -> BoxingStep:
     one decision's candidates share most of their steps)."""
     s = at.sbp[axis]
     row = transition(s, t)
-    views, of_rank = _axis_views(at, axis)
+    if compiling():  # Dynamo traces this; it cannot trace numpy's unique: one view per rank, as the sum needs
+        coords = list(at.placement.coords())
+        views, of_rank = [axis_view(at, axis, c) for c in coords], list(range(len(coords)))
+    else:
+        views, of_rank = _axis_views(at, axis)
     sent_by = [row.sent(s, t, v) for v in views]
     total = sum(sent_by[i] for i in of_rank)  # every rank's, in order: the same floats as rank by rank
     sent = round(total * at.dtype.itemsize)
