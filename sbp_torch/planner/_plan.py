@@ -98,7 +98,12 @@ class Plan:
 
     @property
     def label(self) -> str:
-        return describe_mesh(self.mesh, self.data_axis, self.tensor_axis, self.sharded)
+        label = describe_mesh(self.mesh, self.data_axis, self.tensor_axis, self.sharded)
+        if self.tensor_axis is not None and all(
+            not isinstance(sbp_from_text(text)[self.tensor_axis], Split) for text in self.parameters.values()
+        ):
+            label += " (nothing split over it: each of its ranks runs the whole step)"
+        return label
 
     def placement(self) -> Placement:
         """The placement the plan lays tensors out on: ranks 0 to world_size - 1 in the mesh's shape."""
