@@ -131,6 +131,8 @@ def parameters_estimate(
                 est.param_comm_s += _bandwidth_s(costs, step.collective, ranks, nbytes)
                 key = f"{step.axis}:{step.collective}:{before.sbp}"  # the reducer buckets by layout
                 est.reduced[key] = est.reduced.get(key, 0) + nbytes
+                if step.collective == "all-reduce":  # each bucket reduces a flat copy; all are in flight at once
+                    est.memory["gradient buckets"] = est.memory.get("gradient buckets", 0) + nbytes
     calls = 1 if costs.optimizer_foreach else len(params)  # torch's foreach path: one call per pass for all
     est.optimizer_s = OPTIMIZER_PASSES * (stored_total / costs.memory_bandwidth / costs.efficiency)
     est.optimizer_s += OPTIMIZER_PASSES * calls * costs.op_overhead_s
