@@ -133,21 +133,24 @@ def parameters_estimate(
                 est.reduced[key] = est.reduced.get(key, 0) + nbytes
                 if step.collective == "all-reduce":  # each bucket reduces a flat copy; all are in flight at once
                     est.memory["gradient buckets"] = est.memory.get("gradient buckets", 0) + nbytes
-    calls = 1 if costs.optimizer_foreach else len(params)  # torch's foreach path: one call per pass for all
     est.optimizer_s = OPTIMIZER_PASSES * (stored_total / costs.memory_bandwidth / costs.efficiency)
-    est.optimizer_s += OPTIMIZER_PASSES * calls * costs.op_overhead_s
+    if not costs.optimizer_foreach:  # one call per pass and parameter (a foreach step's calls: ``step_estimate``)
+        est.optimizer_s += OPTIMIZER_PASSES * len(params) * costs.op_overhead_s
     return est
 
 
 def _bandwidth_s(costs: CostModel, kind: str, ranks, nbytes: int) -> float:
-    """A collective's time without its latency (latencies are counted per bucket or unit, ``latency_estimate``)."""
+    """A collective's time without its latency (latencies are counted per bucket or unit, ``step_estimate``)."""
     return costs.collective_s(kind, ranks, nbytes) - costs.latency_s(kind, ranks)
 
 
-def latency_estimate(costs: CostModel, placement, data_axis, sharded: bool, units: int, reduced: dict) -> Estimate:
-    """The per-call latencies of the parameter collectives: per unit when sharded (two gathers, one
-    reduce-scatter), and per gradient bucket for each axis, collective and layout in ``reduced``."""
+def step_estimate(costs: CostModel, placement, data_axis, sharded: bool, units: int, reduced: dict) -> Estimate:
+    """What a step pays per call rather than per byte: the latencies of the parameter collectives, per unit
+    when sharded (two gathers, one reduce-scatter) and per gradient bucket for each axis, collective and layout
+    in ``reduced``; and a foreach optimizer's calls, one per pass for all parameters."""
     est = Estimate()
+    if costs.optimizer_foreach:
+        est.optimizer_s = OPTIMIZER_PASSES * costs.op_overhead_s
     coord = placement.local_coord()
     if sharded and data_axis is not None and placement.shape[data_axis] > 1:
         ranks = placement.axis_ranks(data_axis, coord)

@@ -8,7 +8,7 @@ import math
 from .._api._module import sbp_for
 from .._layout import Placement
 from ._costs import CPU_GLOO, CostModel
-from ._estimate import from_trace, latency_estimate, parameters_estimate
+from ._estimate import from_trace, parameters_estimate, step_estimate
 from ._meshes import Mesh, planning_world
 from ._plan import Prediction
 from ._search import optimizer_states
@@ -59,5 +59,5 @@ def predict(
         ]
         root_gathered = parameters_estimate(pairs[True], costs, kept_gathered=True, **common).memory["gathered"]
         est.memory["gathered"] = root_gathered + sum(sorted(gathered)[-2:])  # one unit computes, the next is gathered
-        est = est + latency_estimate(costs, tracer.placement, data_axis, shard, len(units) + 1, est.reduced)
+        est = est + step_estimate(costs, tracer.placement, data_axis, shard, len(units) + 1, est.reduced)
     return Prediction.of(est, costs)

@@ -20,7 +20,7 @@ from .._layout import Placement, broadcast
 from .._tensor import GlobalTensor
 from ._costing import Costing, choose, search_group
 from ._costs import CPU_GLOO, CostModel
-from ._estimate import OPTIMIZER_STATES, Estimate, latency_estimate
+from ._estimate import OPTIMIZER_STATES, Estimate, step_estimate
 from ._meshes import meshes_for, planning_world
 from ._plan import Plan, Prediction, describe_mesh, sbp_text
 from ._structure import groups_of, parameter_layouts
@@ -101,7 +101,7 @@ def plan(
                 if picks is None:
                     continue
                 est = _assemble(tables, picks, sharded)
-                est = est + latency_estimate(costs, tracer.placement, mesh.data_axis, sharded, n_units + 1, est.reduced)
+                est = est + step_estimate(costs, tracer.placement, mesh.data_axis, sharded, n_units + 1, est.reduced)
                 label = describe_mesh(mesh.shape, mesh.data_axis, mesh.tensor_axis, sharded)
                 alternatives.append({"label": label, "step_s": est.step_s(costs), "memory_bytes": est.memory_bytes()})
                 if best is None or est.step_s(costs) < best[0].step_s(costs):
