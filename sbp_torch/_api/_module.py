@@ -42,6 +42,18 @@ def sbp_for(name: str, tensor: torch.Tensor, sbp, placement: Placement):
         raise type(err)(f"module tensor {name!r} of shape {tuple(tensor.shape)}: {err}") from err
 
 
+def module_tensors(module: nn.Module, prefix: str = ""):
+    """Every parameter and buffer slot of ``module`` and its submodules, a shared tensor once per module holding
+    it: (full dotted name under ``prefix``, whether it is a parameter, the holder's table, the name in it, the
+    tensor). Empty slots are skipped; the caller may replace ``table[name]`` as it goes."""
+    for sub_name, sub in module.named_modules(remove_duplicate=False):
+        for kind in ("_parameters", "_buffers"):
+            table = getattr(sub, kind)
+            for name, tensor in list(table.items()):
+                if tensor is not None:
+                    yield ".".join(filter(None, (prefix, sub_name, name))), kind == "_parameters", table, name, tensor
+
+
 def _globalize(name: str, tensor: torch.Tensor, placement: Placement, sbp, memo: dict, sharding) -> torch.Tensor:
     """The global tensor that stands for ``tensor``; a parameter sharded by ``sharding`` (None, or (axis,
     policy, {id(stored): (stored, compute meta)}) to fill) is stored split over the axis."""
@@ -117,17 +129,13 @@ def module_to_global(
     sharding = _sharding(placement, shard, mixed_precision)
     memo: dict = {}
     params = []
-    for prefix, sub in module.named_modules(remove_duplicate=False):
-        for kind in ("_parameters", "_buffers"):
-            table = getattr(sub, kind)
-            for name, tensor in list(table.items()):
-                if tensor is None or isinstance(tensor, GlobalTensor):
-                    continue
-                full_name = f"{prefix}.{name}" if prefix else name
-                new = _globalize(full_name, tensor, placement, sbp, memo, sharding)
-                table[name] = new
-                if isinstance(new, nn.Parameter) and new.requires_grad and all(new is not p for p in params):
-                    params.append(new)
+    for full_name, _, table, name, tensor in module_tensors(module):
+        if isinstance(tensor, GlobalTensor):
+            continue
+        new = _globalize(full_name, tensor, placement, sbp, memo, sharding)
+        table[name] = new
+        if isinstance(new, nn.Parameter) and new.requires_grad and all(new is not p for p in params):
+            params.append(new)
     if params:
         GradientReducer(params, bucket_mb)
     ForwardInGlobalMode.install(module)

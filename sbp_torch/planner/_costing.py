@@ -9,7 +9,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 
 from ._costs import CostModel
 from ._estimate import Estimate, from_trace, parameters_estimate
-from ._structure import Group, parameter_layouts
+from ._structure import Group, in_unit, parameter_layouts
 from ._tracer import Tracer
 
 
@@ -76,15 +76,11 @@ class Costing:
         layouts = self.layouts({0: option})
         measured, params = self.tracer.run_model(layouts, keep=1)
         self.traces += 1
-        root_params = {k: v for k, v in params.items() if not _in_containers(k, self.tracer.containers)}
+        root_params = {k: v for k, v in params.items() if not in_unit(k, list(self.tracer.containers))}
         trace_est = from_trace(measured, self.costs) - units_base
         trace_est.memory["temporaries"] = max(trace_est.memory.get("temporaries", 0), 0)
         pairs = _pairs(root_params, measured, self.tracer.metas)
         return {s: trace_est + self.params_estimate(pairs, s, kept=True) for s in (False, True)}
-
-
-def _in_containers(name: str, containers: dict) -> bool:
-    return any(name.startswith(c + ".") for c in containers)
 
 
 def search_group(costing: Costing, index: int, limit: int, costs: CostModel, evaluate) -> tuple[dict, str]:

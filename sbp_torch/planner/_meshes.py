@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore  # (and registers the "fake" backend)
+
+from .._layout import Placement, SbpType, Split, broadcast
 
 
 @dataclass(frozen=True)
@@ -16,6 +20,15 @@ class Mesh:
     shape: tuple[int, ...]
     data_axis: int | None
     tensor_axis: int | None
+
+    def placement(self, device: str) -> Placement:
+        """Ranks 0 to n - 1 in the mesh's shape (built without torch: it may run under fake modes)."""
+        return Placement(device, np.arange(math.prod(self.shape)).reshape(self.shape).tolist())
+
+    def rows_split(self, ndim: int) -> tuple[SbpType, ...]:
+        """The layout of a batch tensor, or of the hidden state between units: rows split over the data axis,
+        broadcast on every other axis (a tensor of no dims broadcast everywhere)."""
+        return tuple(Split(0) if a == self.data_axis and ndim > 0 else broadcast for a in range(len(self.shape)))
 
 
 def meshes_for(world: int) -> list[Mesh]:

@@ -9,7 +9,6 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -18,6 +17,7 @@ from .._layout import GlobalMeta, Partial, Placement, SbpType, Split, broadcast
 from .._tensor import GlobalTensor
 from ._costs import CostModel
 from ._estimate import Estimate
+from ._meshes import Mesh
 from ._pins import BoundaryPin
 
 
@@ -107,8 +107,7 @@ class Plan:
 
     def placement(self) -> Placement:
         """The placement the plan lays tensors out on: ranks 0 to world_size - 1 in the mesh's shape."""
-        ranks = np.arange(self.world_size).reshape(self.mesh).tolist()  # (not torch: it may run under fake modes)
-        return Placement(self.device, ranks)
+        return Mesh(self.mesh, self.data_axis, self.tensor_axis).placement(self.device)
 
     def apply_to(self, module: nn.Module) -> nn.Module:
         """Lay ``module`` out by this plan, in place (what ``module.to_global(plan)`` does)."""
@@ -124,9 +123,7 @@ class Plan:
 
     def batch_sbp(self, tensor: torch.Tensor) -> tuple[SbpType, ...]:
         """The layout of one batch tensor: rows split over the data axis."""
-        return tuple(
-            Split(0) if axis == self.data_axis and tensor.dim() > 0 else broadcast for axis in range(len(self.mesh))
-        )
+        return Mesh(self.mesh, self.data_axis, self.tensor_axis).rows_split(tensor.dim())
 
     def layout(self, batch):
         """The whole logical ``batch`` (a tensor, or a tuple or dict of them, the same on every rank) laid out by

@@ -40,24 +40,15 @@ def predict(
         }
         measured, params = tracer.run_model(layouts, keep=None, pinned=False)
         units = [u for us in unit_containers(model).values() for u in us]
-        pairs = {True: [], False: []}
-        unit_bytes: dict = {}
+        by_unit: dict = {}  # unit (None: the root) -> its parameters' (compute layout, gradient layout)
         for name, p in params.items():
             unit = next((u for u in units if name.startswith(u + ".")), None)
-            pair = (tracer.metas[name], measured.grads.get(id(p)))
-            pairs[unit is None].append(pair)
-            if unit is not None:
-                unit_bytes.setdefault(unit, []).append(pair)
-        states = optimizer_states(optimizer)
-        common = dict(data_axis=data_axis, sharded=shard, optimizer_states=states)
-        est = from_trace(measured, costs)
-        est = est + parameters_estimate(pairs[True], costs, kept_gathered=True, **common)
-        est = est + parameters_estimate(pairs[False], costs, kept_gathered=False, **common)
-        gathered = [
-            parameters_estimate(ps, costs, kept_gathered=False, **common).memory["gathered"]
-            for ps in unit_bytes.values()
-        ]
-        root_gathered = parameters_estimate(pairs[True], costs, kept_gathered=True, **common).memory["gathered"]
-        est.memory["gathered"] = root_gathered + sum(sorted(gathered)[-2:])  # one unit computes, the next is gathered
+            by_unit.setdefault(unit, []).append((tracer.metas[name], measured.grads.get(id(p))))
+        common = dict(data_axis=data_axis, sharded=shard, optimizer_states=optimizer_states(optimizer))
+        root = parameters_estimate(by_unit.pop(None, []), costs, kept_gathered=True, **common)
+        unit_estimates = [parameters_estimate(ps, costs, kept_gathered=False, **common) for ps in by_unit.values()]
+        est = sum(unit_estimates, from_trace(measured, costs) + root)
+        gathered = sorted(e.memory["gathered"] for e in unit_estimates)
+        est.memory["gathered"] = root.memory["gathered"] + sum(gathered[-2:])  # one unit computes, the next is gathered
         est = est + step_estimate(costs, tracer.placement, data_axis, shard, len(units) + 1, est.reduced)
     return Prediction.of(est, costs)

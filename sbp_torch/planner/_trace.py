@@ -95,9 +95,9 @@ def _storage(t: torch.Tensor):
     return StorageWeakRef(t.untyped_storage())
 
 
-def measure(fn, params: list[GlobalTensor], *, backward: bool = True) -> tuple[Measured, object]:
-    """Run ``fn()`` on global tensors with meta parts (and, when ``backward``, the backward of every output that
-    requires grad, each with a gradient of ones in its own layout); returns what it did and its output.
+def measure(fn, params: list[GlobalTensor]) -> tuple[Measured, object]:
+    """Run ``fn()`` on global tensors with meta parts and the backward of every output that requires grad, each
+    with a gradient of ones in its own layout; returns what it did and its output.
     ``params`` are the leaves whose gradients are reported (and left unset afterwards)."""
     found = Measured()
     phase = {"backward": False}
@@ -120,7 +120,7 @@ def measure(fn, params: list[GlobalTensor], *, backward: bool = True) -> tuple[M
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = fn()
         outputs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.requires_grad]
-        if backward and outputs:
+        if outputs:
             phase["backward"] = True
             torch.autograd.backward(outputs, [torch.ones_like(o) for o in outputs])
     found.peak_bytes = counting.peak

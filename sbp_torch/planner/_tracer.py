@@ -4,16 +4,15 @@ from the inputs the step gave it, with parameters laid out as a run asks."""
 from __future__ import annotations
 
 import contextlib
-import math
 
-import numpy as np
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
 from .. import _comm as comm
 from .._api._global_mode import GlobalMode
-from .._layout import GlobalMeta, Placement, Split, broadcast
+from .._api._module import module_tensors
+from .._layout import GlobalMeta, broadcast
 from .._tensor import GlobalTensor
 from ._meshes import Mesh
 from ._pins import BoundaryPin
@@ -47,10 +46,9 @@ class Tracer:
 
     def __init__(self, model, batch, mesh: Mesh, loss):
         self.model, self.batch, self.mesh, self.loss = model, batch, mesh, loss
-        ranks = np.arange(math.prod(mesh.shape)).reshape(mesh.shape).tolist()
-        self.placement = Placement("cpu", ranks)
+        self.placement = mesh.placement("cpu")
         comm.ensure_groups(self.placement)
-        self.boundary = tuple(Split(0) if a == mesh.data_axis else broadcast for a in range(len(mesh.shape)))
+        self.boundary = mesh.rows_split(1)
         self.containers = unit_containers(model)
         self.modules = dict(model.named_modules())  # (taken before any truncation)
         self.unit_args: dict[str, tuple] = {}
@@ -67,10 +65,7 @@ class Tracer:
         def one(x):
             if not isinstance(x, torch.Tensor):
                 return x
-            sbp = tuple(
-                Split(0) if a == self.mesh.data_axis and x.dim() > 0 else broadcast for a in range(len(self.mesh.shape))
-            )
-            return meta_global(GlobalMeta(tuple(x.shape), x.dtype, self.placement, sbp))
+            return meta_global(GlobalMeta(tuple(x.shape), x.dtype, self.placement, self.mesh.rows_split(x.dim())))
 
         return tree_map(one, self.batch)
 
@@ -81,22 +76,16 @@ class Tracer:
         fakes: dict[int, GlobalTensor] = {}
         named: dict[str, GlobalTensor] = {}
         saved = []
-        for sub_name, sub in scope.named_modules(remove_duplicate=False):
-            for kind in ("_parameters", "_buffers"):
-                table = getattr(sub, kind)
-                for name, t in list(table.items()):
-                    if t is None:
-                        continue
-                    full = ".".join(filter(None, (prefix, sub_name, name)))
-                    if id(t) not in fakes:
-                        sbp = self.sbp(layouts.get(full, broadcast)) if kind == "_parameters" else self.sbp(broadcast)
-                        meta = GlobalMeta(tuple(t.shape), t.dtype, self.placement, sbp)
-                        fakes[id(t)] = meta_global(meta, requires_grad=t.requires_grad)
-                        if kind == "_parameters":
-                            self.metas[full] = meta
-                            named[full] = fakes[id(t)]
-                    saved.append((table, name, t))
-                    table[name] = fakes[id(t)]
+        for full, is_parameter, table, name, t in module_tensors(scope, prefix):
+            if id(t) not in fakes:
+                sbp = self.sbp(layouts.get(full, broadcast) if is_parameter else broadcast)
+                meta = GlobalMeta(tuple(t.shape), t.dtype, self.placement, sbp)
+                fakes[id(t)] = meta_global(meta, requires_grad=t.requires_grad)
+                if is_parameter:
+                    self.metas[full] = meta
+                    named[full] = fakes[id(t)]
+            saved.append((table, name, t))
+            table[name] = fakes[id(t)]
         try:
             yield named
         finally:
