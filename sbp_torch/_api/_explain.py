@@ -86,7 +86,7 @@ def recorder(found: list, phase: dict):
     return note
 
 
-def graph_leaves(outputs) -> list[torch.Tensor]:
+def _graph_leaves(outputs) -> list[torch.Tensor]:
     """The tensors whose gradients backward from ``outputs`` accumulates."""
     seen, leaves, stack = set(), [], [o.grad_fn for o in outputs if o.grad_fn is not None]
     while stack:
@@ -121,7 +121,7 @@ def explain(fn, *args, backward: bool = True, **kwargs) -> Explanation:
         out = fn(*args, **kwargs)
         outputs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.requires_grad]
         if backward and outputs:
-            leaves = graph_leaves(outputs)
+            leaves = _graph_leaves(outputs)
             kept = [leaf.grad for leaf in leaves]
             phase["backward"] = True
             try:
