@@ -31,6 +31,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 import sbp_torch as st
 from benchmarks import harness, zoo_models
 from benchmarks.suites.sharded import MEASURED, _peak_memory
+from benchmarks.suites.train import _relative_difference
 from sbp_torch import planner
 from sbp_torch.sbp import broadcast, split
 
@@ -124,26 +125,16 @@ def _lay_out_batch(placement, sbp):
 
 
 def _timed_steps(step, batches, warmup, timed) -> tuple[dict, list[float]]:
-    losses, samples = [], []
-    for i, batch in enumerate(batches[: warmup + timed]):
-        dist.barrier()
-        start = time.perf_counter_ns()
-        losses.append(step(batch))
-        if i >= warmup:
-            samples.append((time.perf_counter_ns() - start) / 1e3)
-    slowest = torch.tensor(samples, dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return harness.summary(slowest.tolist()), losses
+    """The harness's timing of ``step`` over ``batches``, one per call; and every call's loss."""
+    losses, upcoming = [], iter(batches)
+    stats = harness.timed(lambda: losses.append(step(next(upcoming))), repeats=timed, warmup=warmup)
+    return stats, losses
 
 
 def _reference_losses(case: _Case, batches) -> list[float]:
     model = case.make()
     step = _trainer(model, lambda b: b)
     return [step(b) for b in batches]
-
-
-def _relative(a, b) -> float:
-    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
 
 
 def _uneven_rows(costs) -> list[dict]:
@@ -194,7 +185,7 @@ def _memory_rows(costs, quick) -> list[dict]:
             "layout": plan.label,
             "predicted": plan.predicted.memory_bytes,
             "measured_peak": peak.item(),
-            "loss_diff": _relative(losses, want),
+            "loss_diff": _relative_difference(losses, want),
         }
     ]
 
@@ -229,7 +220,7 @@ def measure(world: int, quick: bool) -> list[dict]:
                     "layout": name,
                     **stats,
                     "predicted_s": predicted.step_s,
-                    "loss_diff": _relative(losses, want),
+                    "loss_diff": _relative_difference(losses, want),
                 }
             )
         started = time.perf_counter()
@@ -245,7 +236,7 @@ def measure(world: int, quick: bool) -> list[dict]:
                 "layout": plan.label,
                 **stats,
                 "predicted_s": plan.predicted.step_s,
-                "loss_diff": _relative(losses, want),
+                "loss_diff": _relative_difference(losses, want),
                 "plan_seconds": seconds,
                 "decisions": plan.decisions,
             }
