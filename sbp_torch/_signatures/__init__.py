@@ -15,6 +15,7 @@ from . import (  # noqa: F401  (registration by import)
     random_ops,
     reductions,
     softmax_loss,
+    sorting,
     views,
 )
 from .core import (
