@@ -11,7 +11,7 @@ from torch.utils._pytree import tree_map
 
 from .. import _comm as comm
 from .._api._global_mode import GlobalMode
-from .._api._module import module_tensors
+from .._api._module_tensors import module_tensors
 from .._layout import GlobalMeta, broadcast
 from .._tensor import GlobalTensor
 from ._meshes import Mesh
