@@ -6,6 +6,7 @@ from ._dtensor import from_dtensor, module_from_dtensor, module_to_dtensor, to_d
 from ._explain import Collective, Explanation, explain
 from ._factories import arange, empty, full, ones, rand, randn, tensor, zeros
 from ._global_mode import global_mode
+from ._local_map import local_map
 from ._memory import MemoryReport, memory_report
 from ._module import module_to_global
 from ._sharding import MixedPrecision

@@ -23,7 +23,7 @@ class Collective:
 
     kind: str  # "all-reduce(sum)", "all-gather", "reduce-scatter(sum)", "all-to-all", "broadcast", ...
     ranks: tuple[int, ...]  # the group it runs on, in placement-axis order
-    bytes: int  # what this rank puts in
+    bytes: int | None  # what this rank puts in; None: data-dependent (tokens routed to experts)
     cause: str  # the op and its signature, or the conversion, that needed it
     backward: bool  # issued by the backward pass
 
@@ -36,10 +36,14 @@ class Explanation(list):
         return dict(collections.Counter(c.kind for c in self))
 
     def __str__(self) -> str:
-        lines = [f"{len(self)} collectives, {sum(c.bytes for c in self)} bytes from this rank"]
+        known = sum(c.bytes for c in self if c.bytes is not None)
+        dependent = sum(c.bytes is None for c in self)
+        lines = [f"{len(self)} collectives, {known} bytes from this rank"]
+        if dependent:
+            lines[0] += f" and {dependent} data-dependent all-to-alls"
         lines += [
             f"  {'backward' if c.backward else 'forward':8} {c.kind:22} ranks {list(c.ranks)!s:14} "
-            f"{c.bytes:>10} B  {c.cause}"
+            f"{'data-dependent' if c.bytes is None else f'{c.bytes} B':>14}  {c.cause}"
             for c in self
         ]
         return "\n".join(lines)
@@ -57,6 +61,7 @@ CAUSES = [
     ("_dispatch/_call_plan.py", "_run", lambda f: f"{f['func']} as {_signature(f['plan'].decision)}"),
     ("_dispatch/_fallback.py", "run_fallback", lambda f: f"{f['func']} on gathered inputs ({f['why']})"),
     ("_api/_gradient_reducer.py", None, lambda f: "gradient reduction (Module.to_global)"),
+    ("_api/_experts.py", None, lambda f: "expert parallelism: tokens to and from the experts' ranks"),
     ("_tensor/_conversions.py", "forward", lambda f: "to_global to another layout"),
     ("_tensor/_conversions.py", "backward", lambda f: "gradient of to_global"),
     ("_api/_to_global.py", None, lambda f: "to_global of local parts"),

@@ -12,11 +12,17 @@ for a device of another type than the placement's (``"meta"``, say) builds the p
 conversion's buffers, inside a forward) build plain tensors, as outside the mode.
 """
 
+import contextlib
 import os
 import sys
 
 import torch
-from torch.overrides import TorchFunctionMode
+from torch.overrides import (
+    TorchFunctionMode,
+    _len_torch_function_stack,
+    _pop_torch_function_stack,
+    _push_on_torch_function_stack,
+)
 from torch.utils import _pytree as pytree
 
 from .._comm import compiling
@@ -180,3 +186,22 @@ def global_mode(placement: Placement, sbp=broadcast) -> GlobalMode:
     layout-independent generator. Everything else runs as it would outside the block. Modes nest; the innermost
     wins."""
     return GlobalMode(placement, sbp)
+
+
+@contextlib.contextmanager
+def outside_global_mode():
+    """Within the block no global mode is active, whatever the caller's: code that runs on local parts (a
+    ``local_map`` region) builds plain tensors with torch's factories. Other torch function modes stay."""
+    popped = []
+    while _len_torch_function_stack():
+        popped.append(_pop_torch_function_stack())
+    kept = [mode for mode in reversed(popped) if not isinstance(mode, GlobalMode)]
+    for mode in kept:
+        _push_on_torch_function_stack(mode)
+    try:
+        yield
+    finally:
+        for _ in kept:
+            _pop_torch_function_stack()
+        for mode in reversed(popped):
+            _push_on_torch_function_stack(mode)

@@ -14,8 +14,10 @@ from torch import nn
 
 from .._layout import GlobalMeta, Placement, broadcast, normalize_sbp
 from .._tensor import GlobalTensor
+from ._experts import install_expert_regions
 from ._global_mode import GlobalMode
 from ._gradient_reducer import GradientReducer
+from ._module_tensors import module_tensors
 from ._recompute import TorchFunctionsInRecompute
 from ._sharding import MixedPrecision, default_units, shard_model, storage_sbp
 from ._to_global import to_global
@@ -40,18 +42,6 @@ def sbp_for(name: str, tensor: torch.Tensor, sbp, placement: Placement):
         return normalize_sbp(chosen, placement, tensor.dim(), tensor.dtype)
     except (ValueError, TypeError) as err:
         raise type(err)(f"module tensor {name!r} of shape {tuple(tensor.shape)}: {err}") from err
-
-
-def module_tensors(module: nn.Module, prefix: str = ""):
-    """Every parameter and buffer slot of ``module`` and its submodules, a shared tensor once per module holding
-    it: (full dotted name under ``prefix``, whether it is a parameter, the holder's table, the name in it, the
-    tensor). Empty slots are skipped; the caller may replace ``table[name]`` as it goes."""
-    for sub_name, sub in module.named_modules(remove_duplicate=False):
-        for kind in ("_parameters", "_buffers"):
-            table = getattr(sub, kind)
-            for name, tensor in list(table.items()):
-                if tensor is not None:
-                    yield ".".join(filter(None, (prefix, sub_name, name))), kind == "_parameters", table, name, tensor
 
 
 def _globalize(name: str, tensor: torch.Tensor, placement: Placement, sbp, memo: dict, sharding) -> torch.Tensor:
@@ -139,6 +129,7 @@ def module_to_global(
     if params:
         GradientReducer(params, bucket_mb)
     ForwardInGlobalMode.install(module)
+    install_expert_regions(module)
     modules = dict(module.named_modules())
     blocks = [name for name in default_units(module) if name]
     blocks += [name for name in modules if any(fnmatch.fnmatchcase(name, p) for p in units or [])]

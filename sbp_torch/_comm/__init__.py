@@ -18,4 +18,4 @@ from ._collectives import (
 from ._compiled import RanksDisagree, compiling, note_placement
 from ._faults import CollectiveError, caller_stops_one_rank_failures, close_world, collective_failed, posted_failures
 from ._groups import AxisGroup, axis_group, ensure_groups, forget_groups
-from ._primitives import local_failure, observing, traced
+from ._primitives import local_failure, notify, observing, traced
