@@ -1,5 +1,5 @@
 """The rules a mixture-of-experts router needs with its tokens split: ``_signatures/sorting.py`` (``topk``,
-``sort``, ``kthvalue``, ``cummax``, ``cummin``).
+``sort``, ``kthvalue``, ``cummax``, ``cummin``) and ``histc`` (``_signatures/reductions.py``).
 
 Most checks run in one process on the rule checker's simulated ranks (``rule_checker.py``: 2, 3 and 4 ranks and
 a 2x2 grid, against the plain op), on uneven shapes, parts left empty, and ties; one gloo test runs a router's
@@ -14,9 +14,13 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import sbp_torch as st
+from sbp_torch._dispatch._bound import BoundCall, call_key
+from sbp_torch._dispatch._decide import decide
+from sbp_torch._layout import GlobalMeta, Split
 from sbp_torch._signatures import rule_for
-from sbp_torch._signatures.core import B, S
+from sbp_torch._signatures.core import B, P, S
 from sbp_torch._signatures.sorting import ALONG_DIM
+from sbp_torch._tensor import GlobalTensor
 
 from op_check import check_op
 from strict_check import strict
@@ -122,6 +126,52 @@ def test_argsort_and_msort_reach_dispatch_as_sort():
         assert recorder.seen == [want]
 
 
+# Ranges that leave values outside (not counted), integer bounds, NaN (not counted), one row (empty parts)
+HISTC_CALLS = [
+    _call(aten.histc.default, _x(7, 5), 4, -1, 1),
+    _call(aten.histc.default, _x(7), 10, -2, 2),
+    _call(aten.histc.default, _x(5, 7, 3), 3, 0.5, 1.0),
+    _call(aten.histc.default, _x(1, 3), 5, -1.0, 1.0),
+    _call(aten.histc.default, _ties(9, 2), 3, 0, 2),
+    _call(aten.histc.default, torch.tensor([[0.5, float("nan")], [0.25, 1.0], [-3.0, 0.0]]), 4, 0, 1),
+    _call(aten.histc.default, _x(7, 5).float(), 6, -1.5, 1.5),
+]
+
+
+@pytest.mark.parametrize("call", HISTC_CALLS, ids=repr)
+def test_histc_of_a_split_is_a_partial_sum(call):
+    offered = _offered(call)
+    assert offered[:-1] == [((S(d),), (P,)) for d in range(call.args[0].dim())] and offered[-1] == ((B,), (B,))
+    report = rc.check_rules([call])
+    assert not report.findings, "\n".join(map(str, report.findings))
+    assert report.checked >= 4 * 2
+
+
+@pytest.mark.parametrize("bounds", [(0, 0), (1.0, 1.0)], ids=["default", "equal"])
+def test_histc_without_a_range_offers_no_partial(bounds):
+    """Equal bounds bin by the data's own range, which differs between the parts."""
+    assert _offered(_call(aten.histc.default, _x(7, 5), 4, *bounds)) == [((B,), (B,))]
+
+
+def test_histc_decides_by_its_range():
+    """The bounds are in the call's key, so a split input decided for a range is not replayed without one."""
+    p = st.placement("cpu", [0, 1])
+    x = GlobalTensor(torch.empty(0), GlobalMeta((7, 5), torch.float32, p, (Split(0),)))
+    ranged, unranged = BoundCall(aten.histc.default, (x, 4, -1, 1), {}), BoundCall(aten.histc.default, (x, 4), {})
+    assert call_key(ranged.func, rc.op_schema(ranged.func), ranged.args, ranged.kwargs) != call_key(
+        unranged.func, rc.op_schema(unranged.func), unranged.args, unranged.kwargs
+    )
+    decided = decide(ranged)
+    assert decided.input_sbps == ((Split(0),),) and decided.outputs[0].sbp == (P,)
+    assert decide(unranged).input_sbps == ((B,),)
+
+
+def test_bincount_has_no_rule():
+    """Its length, ``max(input) + 1`` (at least ``minlength``), is data that differs between the parts, and no
+    meta kernel can tell it: a partial sum of local counts would not even have one shape. It gathers."""
+    assert rule_for(aten.bincount.default) is None
+
+
 # -- on a gloo world --------------------------------------------------------------------------------------
 
 
@@ -131,18 +181,25 @@ def _route(logits: torch.Tensor):
     return torch.softmax(values, -1), F.one_hot(experts, logits.shape[-1])
 
 
+def _load(logits: torch.Tensor) -> torch.Tensor:
+    """How many tokens each expert gets from a top-2 router."""
+    experts = torch.topk(logits, 2, dim=-1).indices
+    return torch.histc(experts.double(), bins=logits.shape[-1], min=0, max=logits.shape[-1] - 1)
+
+
 def router_body(ranks):
     p = st.placement("cpu", ranks)
     logits, ties = _x(7, 5), _ties(7, 5)
-    for fn, x in [
-        (_route, logits),
-        (lambda x: torch.sort(x, -1, descending=True), ties),
-        (lambda x: torch.argsort(x, dim=-1, stable=True), ties),
-        (lambda x: torch.kthvalue(x, 2, 1), logits),
-        (lambda x: torch.cummax(x, 1), logits),
+    for fn, x, want in [
+        (_route, logits, S(0)),
+        (_load, logits, P),
+        (lambda x: torch.sort(x, -1, descending=True), ties, S(0)),
+        (lambda x: torch.argsort(x, dim=-1, stable=True), ties, S(0)),
+        (lambda x: torch.kthvalue(x, 2, 1), logits, S(0)),
+        (lambda x: torch.cummax(x, 1), logits, S(0)),
     ]:
         sbps = strict(check_op)(fn, [x], p, [S(0)])
-        assert all(s == (S(0),) for s in sbps), sbps
+        assert all(s == (want,) for s in sbps), sbps
     return True
 
 

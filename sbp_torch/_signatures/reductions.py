@@ -20,6 +20,11 @@ Max/min reductions need every rank to hold at least one element of each reduced 
 max has no value.
 
 ``cumsum`` keeps a split on any dim but the scanned one, and a partial sum (it is linear).
+
+``histc`` with a range (``min < max``) counts each element into a bin by its value alone, so the histograms of a
+split's parts are partial sums of the histogram. Without one (``min == max``) each rank would bin its part by its
+own data's range: the input is then gathered. ``bincount`` has no rule: its length, ``max(input) + 1``, is
+data and differs between the parts (and no meta kernel can tell it), so it gathers.
 """
 
 import math
@@ -188,3 +193,10 @@ def cumsum(call: OpCall) -> list[Signature]:
     x = call["self"]
     scanned = call.dim("dim") if x.ndim else None
     return [sig(S(d), self=S(d)) for d in range(x.ndim) if d != scanned] + [sig(P, self=P)]
+
+
+@register(aten.histc.default, reads=("bins", "min", "max"))
+def histc(call: OpCall) -> list[Signature]:
+    if not call["min"] < call["max"]:
+        return []  # the range comes from the data
+    return [sig(P, self=S(d)) for d in range(call["self"].ndim)]
