@@ -153,6 +153,16 @@ def test_histc_without_a_range_offers_no_partial(bounds):
     assert _offered(_call(aten.histc.default, _x(7, 5), 4, *bounds)) == [((B,), (B,))]
 
 
+def test_histc_offers_no_partial_where_a_count_could_round():
+    """Beyond 2**8 elements of bfloat16 a count may round, and rounds otherwise in the sum of the parts."""
+    held, too_many = torch.zeros(256, dtype=torch.bfloat16), torch.zeros(600, dtype=torch.bfloat16)
+    assert _offered(_call(aten.histc.default, held, 1, -1, 1)) == [((S(0),), (P,)), ((B,), (B,))]
+    assert _offered(_call(aten.histc.default, too_many, 1, -1, 1)) == [((B,), (B,))]
+    assert not rc.check_rules([_call(aten.histc.default, held, 1, -1, 1)]).findings
+    halves = torch.histc(too_many[:300], 1, -1, 1) + torch.histc(too_many[300:], 1, -1, 1)
+    assert not torch.equal(halves, torch.histc(too_many, 1, -1, 1))  # why: the parts would not sum to it
+
+
 def test_histc_decides_by_its_range():
     """The bounds are in the call's key, so a split input decided for a range is not replayed without one."""
     p = st.placement("cpu", [0, 1])

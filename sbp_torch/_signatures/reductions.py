@@ -22,8 +22,10 @@ max has no value.
 ``cumsum`` keeps a split on any dim but the scanned one, and a partial sum (it is linear).
 
 ``histc`` with a range (``min < max``) counts each element into a bin by its value alone, so the histograms of a
-split's parts are partial sums of the histogram. Without one (``min == max``) each rank would bin its part by its
-own data's range: the input is then gathered. ``bincount`` has no rule: its length, ``max(input) + 1``, is
+split's parts are partial sums of the histogram, exactly while the dtype holds every count up to the number of
+elements (2**8 in bfloat16, 2**11 in float16, 2**24 in float32): beyond, a count rounds one way in the whole and
+another in the sum of the parts. Without a range (``min == max``) each rank would bin its part by its own data's
+range. Either way the input is then gathered. ``bincount`` has no rule: its length, ``max(input) + 1``, is
 data and differs between the parts (and no meta kernel can tell it), so it gathers.
 """
 
@@ -197,6 +199,9 @@ def cumsum(call: OpCall) -> list[Signature]:
 
 @register(aten.histc.default, reads=("bins", "min", "max"))
 def histc(call: OpCall) -> list[Signature]:
+    x = call["self"]
     if not call["min"] < call["max"]:
         return []  # the range comes from the data
-    return [sig(P, self=S(d)) for d in range(call["self"].ndim)]
+    if x.dtype.is_floating_point and math.prod(x.shape) > 2 / torch.finfo(x.dtype).eps:
+        return []  # a count the dtype cannot hold exactly
+    return [sig(P, self=S(d)) for d in range(x.ndim)]
