@@ -3,7 +3,7 @@
 
 Most checks run in one process on the rule checker's simulated ranks (``rule_checker.py``: 2, 3 and 4 ranks and
 a 2x2 grid, against the plain op), on uneven shapes, parts left empty, and ties; one gloo test runs a router's
-forward and backward in strict mode and asserts the layouts its outputs and gradient come out in."""
+forward and backward in strict mode (no op gathers) and asserts the layouts its outputs come out in."""
 
 from __future__ import annotations
 
