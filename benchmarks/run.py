@@ -35,6 +35,7 @@ SUITES = [
     "checkpoint",
     "sharded",
     "plan",
+    "moe",
     "pipeline_cuda",
     "gpt_cuda",
 ]

@@ -68,7 +68,9 @@ def _train_job(name, implementation, layout, rows):
     grad_error = max(
         ((got_grads[n] - g).abs().max() / g.abs().max().clamp_min(1e-3)).item() for n, g in want_grads.items()
     )
-    kinds = collections.Counter((c.kind, c.backward, "expert" if "experts" in c.cause else "") for c in found)
+    kinds = collections.Counter(
+        (c.kind, c.backward, "expert" if "expert parallelism" in c.cause else "") for c in found
+    )
     gathered = [c.cause for c in found if "gather" in c.kind]
     return worst, grad_error, dict(kinds), gathered
 
@@ -211,7 +213,7 @@ def _explain_job():
     lay = moe_models.lay_out(model, moe_models.LAYOUTS["EP"])
     batch = moe_models.batches(1, 8)[0]
     found = st.explain(lambda b: model(**{k: lay(v) for k, v in b.items()}).loss, batch)
-    return [(c.kind, c.bytes, c.backward) for c in found if "experts" in c.cause], str(found)
+    return [(c.kind, c.bytes, c.backward) for c in found if "expert parallelism" in c.cause], str(found)
 
 
 def test_explain_lists_data_dependent_exchanges():

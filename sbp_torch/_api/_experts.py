@@ -119,13 +119,14 @@ class ExpertsRegion:
             rows = order[:sent]
             out = self._experts(hidden[rows // k], expert[rows] - start[rows], held.count)
             return _combined(out, rows, k, top_k_weights, hidden)
+        label = _COUNTS  # noqa: F841  (read by explain)
         received = comm.all_to_all(counts, 0, 0, [1] * group.size, [1] * group.size, group)
         send, recv = counts.sum(1).tolist(), received.sum(1).tolist()
         rows = order[: sum(send)]
-        arrived = _Exchange.apply(hidden[rows // k], send, recv, group)
+        arrived = _Exchange.apply(hidden[rows // k], send, recv, group, _DISPATCH)
         local = torch.arange(held.most, device=hidden.device).repeat(group.size)
         out = self._experts(arrived, torch.repeat_interleave(local, received.reshape(-1)), held.count)
-        return _combined(_Exchange.apply(out, recv, send, group), rows, k, top_k_weights, hidden)
+        return _combined(_Exchange.apply(out, recv, send, group, _COMBINE), rows, k, top_k_weights, hidden)
 
 
 def _combined(out, rows, k, top_k_weights, hidden) -> torch.Tensor:
@@ -211,24 +212,30 @@ def _held(meta: GlobalMeta, exchange: int | None) -> _Held:
     return _Held(tuple(owners), tuple(starts), mine, max(sizes), exchange is None and mine == meta.shape[0])
 
 
+# What each exchange carries; ``explain`` names a collective's cause by the ``label`` of the frame that issued it.
+_COUNTS, _DISPATCH, _COMBINE = "per-expert counts", "token rows to their experts' ranks", "expert outputs back"
+
+
 class _Exchange(torch.autograd.Function):
     """Rows to the ranks of ``group``: ``send[i]`` of them to group index i, ``recv[i]`` arriving from it, end to
     end in group order. Backward sends the gradients back the same way."""
 
     @staticmethod
-    def forward(ctx, rows: torch.Tensor, send: list[int], recv: list[int], group):
-        ctx.send, ctx.recv, ctx.group = send, recv, group
+    def forward(ctx, rows: torch.Tensor, send: list[int], recv: list[int], group, label: str):
+        ctx.send, ctx.recv, ctx.group, ctx.label = send, recv, group, label
         return comm.all_to_all(rows.contiguous(), 0, 0, send, recv, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _Exchange.apply(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+        label = f"gradient of the {ctx.label}"  # noqa: F841  (read by explain)
+        return _Exchange.apply(grad, ctx.recv, ctx.send, ctx.group, label), None, None, None, None
 
 
 def _note_exchanges(group, held: _Held) -> None:
-    comm.notify("all-to-all", group, lambda: held.slots * 8)  # the per-expert counts
-    for _ in ("dispatch", "combine"):
-        comm.notify("all-to-all", group, lambda: None)  # rows: as many as the routing sends
+    label = _COUNTS
+    comm.notify("all-to-all", group, lambda: held.slots * 8)
+    for label in (_DISPATCH, _COMBINE):  # noqa: B007  (read by explain)
+        comm.notify("all-to-all", group, lambda: None)  # as many rows as the routing sends
 
 
 class _NotedInBackward(torch.autograd.Function):
@@ -241,6 +248,6 @@ class _NotedInBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        for _ in ("combine", "dispatch"):
+        for label in (f"gradient of the {_COMBINE}", f"gradient of the {_DISPATCH}"):  # noqa: B007  (read by explain)
             comm.notify("all-to-all", ctx.group, lambda: None)
         return grad, None

@@ -61,7 +61,7 @@ CAUSES = [
     ("_dispatch/_call_plan.py", "_run", lambda f: f"{f['func']} as {_signature(f['plan'].decision)}"),
     ("_dispatch/_fallback.py", "run_fallback", lambda f: f"{f['func']} on gathered inputs ({f['why']})"),
     ("_api/_gradient_reducer.py", None, lambda f: "gradient reduction (Module.to_global)"),
-    ("_api/_experts.py", None, lambda f: "expert parallelism: tokens to and from the experts' ranks"),
+    ("_api/_experts.py", None, lambda f: f"expert parallelism: {f.get('label', 'exchange')}"),
     ("_tensor/_conversions.py", "forward", lambda f: "to_global to another layout"),
     ("_tensor/_conversions.py", "backward", lambda f: "gradient of to_global"),
     ("_api/_to_global.py", None, lambda f: "to_global of local parts"),
