@@ -90,12 +90,17 @@ class ExpertsRegion:
     def _experts(self, rows: torch.Tensor, expert: torch.Tensor, count: int) -> torch.Tensor:
         """The module's own forward on ``rows``, each for its one (local) ``expert``, weight 1, with ``count``
         experts held here."""
+        # Every rank's graph reaches the rows (so the exchange's backward runs on every rank) and every weight,
+        # whatever arrived: eager code starts from zeros and skips the experts that received nothing.
+        anchors = [rows, *(t for t in self.module.parameters() if t.requires_grad)]
+        zero = sum(t.reshape(-1)[:0].sum().to(rows.dtype) for t in anchors)
+        if count == 0:  # no expert here: nothing arrives
+            return rows * 0 + zero
         kept = getattr(self.module, self.kind.count)
         setattr(self.module, self.kind.count, count)
         try:
-            return self.original(
-                rows, expert.unsqueeze(-1), torch.ones(len(rows), 1, dtype=rows.dtype, device=rows.device)
-            )
+            ones = torch.ones(len(rows), 1, dtype=rows.dtype, device=rows.device)
+            return self.original(rows, expert.unsqueeze(-1), ones) + zero
         finally:
             setattr(self.module, self.kind.count, kept)
 
@@ -113,7 +118,7 @@ class ExpertsRegion:
         dest, start = table.dest[expert], table.start[expert]
         key = torch.where(dest >= 0, dest * held.most + expert - start, held.slots)
         order = torch.argsort(key, stable=True)
-        counts = torch.bincount(key, minlength=held.slots + 1)[: held.slots].view(-1, held.most)
+        counts = torch.bincount(key, minlength=held.slots + 1)[: held.slots].view(held.members, held.most)
         if group is None:  # only this rank's experts, for every token
             sent = int(counts.sum())
             rows = order[:sent]
@@ -121,7 +126,7 @@ class ExpertsRegion:
             return _combined(out, rows, k, top_k_weights, hidden)
         label = _COUNTS  # noqa: F841  (read by explain)
         received = comm.all_to_all(counts, 0, 0, [1] * group.size, [1] * group.size, group)
-        send, recv = counts.sum(1).tolist(), received.sum(1).tolist()
+        send, recv = torch.stack([counts.sum(1), received.sum(1)]).tolist()  # the one read of the routing
         rows = order[: sum(send)]
         arrived = _Exchange.apply(hidden[rows // k], send, recv, group, _DISPATCH)
         local = torch.arange(held.most, device=hidden.device).repeat(group.size)
@@ -179,11 +184,12 @@ class _Held:
     starts: tuple[int, ...]
     count: int  # experts held here
     most: int  # experts held by the group member holding most
+    members: int  # ranks of the exchange group (1 without an exchange)
     everything: bool
 
     @property
     def slots(self) -> int:
-        return (max(self.owners) + 1) * self.most
+        return self.members * self.most
 
     def tables(self, device) -> _Tables:
         return _tables(self, device)
@@ -209,7 +215,8 @@ def _held(meta: GlobalMeta, exchange: int | None) -> _Held:
         for e in range(start, start + length):
             owners[e], starts[e] = index, start
     mine = sizes[members.index(coord)]
-    return _Held(tuple(owners), tuple(starts), mine, max(sizes), exchange is None and mine == meta.shape[0])
+    everything = exchange is None and mine == meta.shape[0]
+    return _Held(tuple(owners), tuple(starts), mine, max(sizes), len(members), everything)
 
 
 # What each exchange carries; ``explain`` names a collective's cause by the ``label`` of the frame that issued it.

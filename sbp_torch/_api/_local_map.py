@@ -67,7 +67,11 @@ def _input_gradient_sbp(sbp: tuple, divided: tuple[bool, ...], what: str) -> tup
     return tuple(out)
 
 
-def _check_output(sbp: tuple, divided: tuple[bool, ...], what: str) -> None:
+def _check_output(out: torch.Tensor, sbp: tuple, divided: tuple[bool, ...], what: str) -> None:
+    """Refuse a floating output declared broadcast where the region computes per rank (called when some input
+    needs a gradient, which every rank knows alike)."""
+    if not (out.is_floating_point() or out.is_complex()):
+        return
     for axis, s in enumerate(sbp):
         if divided[axis] and isinstance(s, Broadcast):
             raise ValueError(
@@ -83,15 +87,12 @@ def _local_part(x: GlobalTensor, divided: tuple[bool, ...], what: str) -> torch.
     return to_local(x, grad_sbp=_input_gradient_sbp(x.sbp, divided, what))
 
 
-def _reaching_every_input(outputs: list, inputs: list[torch.Tensor]) -> list:
-    """``outputs`` with the first one that needs a gradient made to depend on every input that needs one (by a
-    zero of no elements), so that backward gives each of them a gradient on every rank."""
-    needing = [t for t in inputs if t.requires_grad]
-    for i, out in enumerate(outputs):
-        if isinstance(out, torch.Tensor) and out.requires_grad and needing:
-            outputs[i] = out + sum(t.reshape(-1)[:0].sum() for t in needing).to(out.dtype)
-            break
-    return outputs
+def _reaching_every_input(outputs: list, needing: list[torch.Tensor]) -> list:
+    """``outputs`` with each floating one made to depend on every input in ``needing`` (by a zero of no elements):
+    whether an output needs a gradient, and which inputs backward reaches from it, are then the same on every
+    rank, whatever the function read on each."""
+    zero = sum(t.reshape(-1)[:0].sum() for t in needing)
+    return [out + zero.to(out.dtype) if out.is_floating_point() or out.is_complex() else out for out in outputs]
 
 
 class _Swapped:
@@ -114,6 +115,9 @@ def global_slots(module: nn.Module) -> list:
     return [(table, name, t) for _, _, table, name, t in module_tensors(module) if isinstance(t, GlobalTensor)]
 
 
+# torch.compile runs a region as it runs eagerly, between the graphs before and after it: its parts are plain
+# tensors that AOTAutograd cannot trace beside global ones, and routing reads counts to the host anyway.
+@torch.compiler.disable
 def run_locally(fn, placement: Placement, args: tuple, in_sbps: tuple, out_sbps, *, out_shapes=None, slots=(),
                 kwargs=None, what: str = "local_map"):  # fmt: skip
     """Run ``fn(*args, **kwargs)`` as a region on ``placement`` (the module docstring): each positional global
@@ -136,11 +140,13 @@ def run_locally(fn, placement: Placement, args: tuple, in_sbps: tuple, out_sbps,
     positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
     if len(positions) != len(out_sbps):
         raise ValueError(f"{what}: the function returned {len(positions)} tensors, out_sbps lists {len(out_sbps)}")
-    tensors = [a for a in local_args if isinstance(a, torch.Tensor)] + local_slots
-    outs = _reaching_every_input([flat[i] for i in positions], tensors)
+    outs = [flat[i] for i in positions]
+    needing = [t for t in local_args + local_slots if isinstance(t, torch.Tensor) and t.requires_grad]
+    if needing and torch.is_grad_enabled():
+        for k, (out, sbp) in enumerate(zip(outs, out_sbps)):
+            _check_output(out, sbp, divided, f"{what}: output {k}")
+        outs = _reaching_every_input(outs, needing)
     for k, (out, sbp) in enumerate(zip(outs, out_sbps)):
-        if out.requires_grad:
-            _check_output(sbp, divided, f"{what}: output {k}")
         if out_shapes is None:
             flat[positions[k]] = to_global(out, placement, sbp)
         else:
@@ -188,8 +194,10 @@ def _placement_of(args, slots, what: str) -> Placement:
 
 
 def _out_sbps(out_sbps, placement: Placement) -> list:
-    single = isinstance(out_sbps, (Split, Broadcast, Partial)) or (
-        isinstance(out_sbps, tuple) and out_sbps and isinstance(out_sbps[0], (Split, Broadcast, Partial))
+    """One output's SBP (or its tuple, one per placement axis), or a list of them, as a list of tuples."""
+    kinds = (Split, Broadcast, Partial)
+    single = isinstance(out_sbps, kinds) or (
+        isinstance(out_sbps, tuple) and len(out_sbps) == placement.ndim and all(isinstance(s, kinds) for s in out_sbps)
     )
     listed = [out_sbps] if single else list(out_sbps)
     return [(s,) * placement.ndim if isinstance(s, (Split, Broadcast, Partial)) else tuple(s) for s in listed]
@@ -203,7 +211,8 @@ def local_map(fn, in_sbps, out_sbps, *, out_shapes=None):
             global parameters and buffers seen as their local parts (the module is returned).
         in_sbps: per positional argument, the SBP (or tuple, one per placement axis) its global tensor is
             converted to before ``fn`` sees its part; None for arguments that are not global tensors.
-        out_sbps: the SBP of each tensor ``fn`` returns (in ``tree_flatten`` order; one entry for one tensor).
+        out_sbps: the SBP of the tensor ``fn`` returns (one SBP, or a tuple with one per placement axis), or a list
+            of them, one per tensor it returns in ``tree_flatten`` order.
         out_shapes: a callable taking the region's arguments (global tensors) and returning the logical shape of
             each output, in that order. Without it, the ranks agree on the shapes in one small exchange per call,
             and split parts may then be uneven in any way.
