@@ -201,3 +201,25 @@ def test_explain_lists_data_dependent_exchanges():
         dependent = [e for e in exchanges if e[1] is None]
         assert len(dependent) == 2 * (2 + 2), exchanges  # per layer: dispatch and combine, forward and backward
         assert "data-dependent" in text
+
+
+def _compiled_job():
+    """The forward compiled (aot_eager); the experts regions run eagerly between its graphs."""
+    batches = moe_models.batches(2, 8)
+    want, _, _ = _train(moe_models.make("mixtral"), batches)
+    model = moe_models.make("mixtral")
+    lay = moe_models.lay_out(model, moe_models.LAYOUTS["EP"])
+    compiled = torch.compile(model, backend="aot_eager")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    got = []
+    for batch in batches:
+        loss = compiled(**{k: lay(v) for k, v in batch.items()}).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        got.append(loss.item())
+    return max(abs(a - b) / abs(b) for a, b in zip(got, want))
+
+
+def test_moe_compiled():
+    assert max(run_on_world(4, _compiled_job, _timeout=300)) < 1e-5

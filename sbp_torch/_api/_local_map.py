@@ -12,12 +12,13 @@ partial, the region is *divided*: each rank computes its own share of the result
 * a split input's gradient is split alike (its part's gradient is whole on the rank that holds it);
 * a broadcast input's gradient is partial(sum) (each rank's share contributes to it);
 * a split output's gradient comes in split, a partial(sum) output's broadcast;
-* a partial input or a broadcast output that takes part in the gradient is refused: a function of one part has
-  no gradient with respect to the sum of the parts, and a broadcast output of per-rank work cannot say which rank's
-  share its gradient belongs to (declare it split or partial).
+* a partial input that needs a gradient, and a floating output declared broadcast while some input needs one, are
+  refused: a function of one part has no gradient with respect to the sum of the parts, and a broadcast output of
+  per-rank work cannot say which rank's share its gradient belongs to (declare it split or partial).
 
-Every input that needs a gradient gets one on every rank, zeros where the function did not read it on that rank
-(an expert that received no token), so the ranks reduce the same gradients.
+Every floating output depends on every input that needs a gradient, so each such input gets one on every rank,
+zeros where the function did not read it on that rank (an expert that received no token), and the ranks reduce
+the same gradients. Under torch.compile a region runs eagerly, between the graphs before and after it.
 """
 
 import torch
