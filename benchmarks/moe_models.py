@@ -53,6 +53,7 @@ class Layout:
     ranks: list
     experts: tuple
     batch: tuple
+    shard: int | None = None  # the placement axis parameters are stored split over (Module.to_global's shard=)
 
 
 def _layouts() -> dict[str, Layout]:
@@ -62,6 +63,7 @@ def _layouts() -> dict[str, Layout]:
         "DP": Layout("DP", [0, 1, 2, 3], (broadcast,), (split(0),)),
         "EP": Layout("EP", [0, 1, 2, 3], (split(0),), (split(0),)),
         "DP x EP": Layout("DP x EP", [[0, 1], [2, 3]], (broadcast, split(0)), (split(0), split(0))),
+        "sharded DP x EP": Layout("sharded DP x EP", [[0, 1], [2, 3]], (broadcast, split(0)), (split(0), split(0)), 0),
     }
 
 
@@ -74,7 +76,7 @@ def lay_out(model: torch.nn.Module, layout: Layout) -> Callable[[torch.Tensor], 
     from sbp_torch.sbp import broadcast
 
     placement = st.placement("cpu", layout.ranks)
-    model.to_global(placement, {"*.experts.*": layout.experts})
+    model.to_global(placement, {"*.experts.*": layout.experts}, shard=layout.shard)
     everywhere = (broadcast,) * placement.ndim
     return lambda t: t.to_global(placement, everywhere).to_global(sbp=layout.batch)
 
