@@ -1,4 +1,4 @@
-"""The OpInfo sweep (``benchmarks/opinfo_sweep.py``) on a fixed subset of op_db, on a 2-rank world.
+"""The OpInfo sweep (``tests/opinfo/opinfo_sweep.py``) on a fixed subset of op_db, on a 2-rank world.
 
 A CI-sized slice of ``docs/coverage.md``: about fifty entries of the main families (unary and binary
 pointwise, reductions, matmul, views, softmax, losses, norms) run with random layouts (split on any dim, uneven
@@ -104,7 +104,7 @@ def sweep(tmp_path_factory):
         "--standalone",
         "--nproc-per-node",
         "2",
-        os.path.join(REPO, "benchmarks", "opinfo_sweep.py"),
+        os.path.join(REPO, "tests", "opinfo", "opinfo_sweep.py"),
         "--mesh",
         "2",
         "--ops",

@@ -2,7 +2,7 @@
 
 Launch on as many ranks as the mesh has::
 
-    .venv/bin/python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/opinfo_sweep.py \\
+    .venv/bin/python -m torch.distributed.run --standalone --nproc-per-node 2 tests/opinfo/opinfo_sweep.py \\
         --mesh 2 --backend sbp --out sweep.json [--ops add,sum,...] [--k 3] [--resume]
 
 For every op_db entry that supports float32 on CPU, the first K samples are checked (see ``_opinfo_check.py``):
