@@ -18,9 +18,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import sbp_torch as st
-from benchmarks import zoo_models
 from sbp_torch.checkpoint import CheckpointError
 from sbp_torch.sbp import broadcast, partial, split
+from zoo import dense
 
 from world import run_on_world
 
@@ -367,15 +367,15 @@ def test_the_full_state_lands_on_one_rank_and_loads_without_pickled_code(tmp_pat
 
 
 def _hugging_face_files(directory):
-    zoo_model = next(m for m in zoo_models.ZOO if m.name == "gpt_neox")
-    layout = next(lay for lay in zoo_models.LAYOUTS if lay.name == "tp")
-    model, lay_out_batch = zoo_models.lay_out(zoo_model, layout)
-    zoo_models.train(model, zoo_models.batches(zoo_model, 1), lay_out_batch)  # trained values, not initial ones
+    zoo_model = next(m for m in dense.ZOO if m.name == "gpt_neox")
+    layout = next(lay for lay in dense.LAYOUTS if lay.name == "tp")
+    model, lay_out_batch = dense.lay_out(zoo_model, layout)
+    dense.train(model, dense.batches(zoo_model, 1), lay_out_batch)  # trained values, not initial ones
     full = st.full_state_dict(model)
     if dist.get_rank() != 0:
         return True
-    zoo_models.make(zoo_model).save_pretrained(directory, state_dict=full)  # safetensors files
-    again = type(zoo_models.make(zoo_model)).from_pretrained(directory).state_dict()
+    dense.make(zoo_model).save_pretrained(directory, state_dict=full)  # safetensors files
+    again = type(dense.make(zoo_model)).from_pretrained(directory).state_dict()
     return again.keys() == full.keys() and all(torch.equal(again[k], v) for k, v in full.items())
 
 

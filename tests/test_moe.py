@@ -1,6 +1,6 @@
 """Mixture-of-experts training against one process, on 4 gloo ranks.
 
-Unmodified ``transformers`` Mixtral and Qwen3-MoE (``benchmarks/moe_models.py``, top-2 routing) train five AdamW steps
+Unmodified ``transformers`` Mixtral and Qwen3-MoE (``zoo/moe.py``, top-2 routing) train five AdamW steps
 in data parallelism (experts broadcast: routing stays on each rank), expert parallelism (experts split over the 4
 ranks: tokens travel by all-to-all) and both on a 2x2 grid; the losses and the last gradients must equal one
 process's. Each layout's collectives are counted: data parallelism issues only the loss's and the gradients'
@@ -24,7 +24,7 @@ from world import run_on_world
 
 pytest.importorskip("transformers")
 
-from benchmarks import moe_models  # noqa: E402  (after the skip: it names transformers models)
+from zoo import moe  # noqa: E402  (after the skip: it names transformers models)
 
 pytestmark = pytest.mark.gloo
 
@@ -59,10 +59,10 @@ class _nothing:
 
 
 def _train_job(name, implementation, layout, rows):
-    batches = moe_models.batches(STEPS, rows)
-    want, want_grads, _ = _train(moe_models.make(name, implementation), batches)
-    model = moe_models.make(name, implementation)
-    lay = moe_models.lay_out(model, moe_models.LAYOUTS[layout])
+    batches = moe.batches(STEPS, rows)
+    want, want_grads, _ = _train(moe.make(name, implementation), batches)
+    model = moe.make(name, implementation)
+    lay = moe.lay_out(model, moe.LAYOUTS[layout])
     got, got_grads, found = _train(model, batches, lay, observe=True)
     worst = max(abs(a - b) / abs(b) for a, b in zip(got, want))
     grad_error = max(
@@ -105,10 +105,10 @@ def test_moe_trains_like_one_process(name, implementation, layout):
 
 def _uneven_job():
     """Six rows on four ranks: parts of 2, 2, 1, 1 sequences."""
-    batches = moe_models.batches(STEPS, 6)
-    want, _, _ = _train(moe_models.make("mixtral"), batches)
-    model = moe_models.make("mixtral")
-    got, _, _ = _train(model, batches, moe_models.lay_out(model, moe_models.LAYOUTS["EP"]))
+    batches = moe.batches(STEPS, 6)
+    want, _, _ = _train(moe.make("mixtral"), batches)
+    model = moe.make("mixtral")
+    got, _, _ = _train(model, batches, moe.lay_out(model, moe.LAYOUTS["EP"]))
     return max(abs(a - b) / abs(b) for a, b in zip(got, want))
 
 
@@ -190,9 +190,9 @@ def test_experts_module_with_empty_experts_and_ranks(layout_name, implementation
 
 
 def _explain_job():
-    model = moe_models.make("mixtral")
-    lay = moe_models.lay_out(model, moe_models.LAYOUTS["EP"])
-    batch = moe_models.batches(1, 8)[0]
+    model = moe.make("mixtral")
+    lay = moe.lay_out(model, moe.LAYOUTS["EP"])
+    batch = moe.batches(1, 8)[0]
     found = st.explain(lambda b: model(**{k: lay(v) for k, v in b.items()}).loss, batch)
     return [(c.kind, c.bytes, c.backward) for c in found if "expert parallelism" in c.cause], str(found)
 
@@ -206,10 +206,10 @@ def test_explain_lists_data_dependent_exchanges():
 
 def _compiled_job():
     """The forward compiled (aot_eager); the experts regions run eagerly between its graphs."""
-    batches = moe_models.batches(2, 8)
-    want, _, _ = _train(moe_models.make("mixtral"), batches)
-    model = moe_models.make("mixtral")
-    lay = moe_models.lay_out(model, moe_models.LAYOUTS["EP"])
+    batches = moe.batches(2, 8)
+    want, _, _ = _train(moe.make("mixtral"), batches)
+    model = moe.make("mixtral")
+    lay = moe.lay_out(model, moe.LAYOUTS["EP"])
     compiled = torch.compile(model, backend="aot_eager")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     got = []

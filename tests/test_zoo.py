@@ -1,4 +1,4 @@
-"""The model zoo (``benchmarks/zoo_models.py``): six unmodified ``transformers`` architectures, each trained five AdamW
+"""The model zoo (``zoo/dense.py``): six unmodified ``transformers`` architectures, each trained five AdamW
 steps as one process and laid out by sbp_torch three ways on 4 ranks (data parallel, Megatron-style tensor parallel,
 both on a 2x2 grid), with nothing in the models changed and no context around them.
 
@@ -16,7 +16,7 @@ from world import run_on_world
 
 pytest.importorskip("transformers")
 
-from benchmarks import zoo_models  # noqa: E402  (after the skip: it names transformers models)
+from zoo import dense  # noqa: E402  (after the skip: it names transformers models)
 
 pytestmark = pytest.mark.gloo
 
@@ -28,17 +28,17 @@ DTYPE = torch.float64
 
 
 def _run(name: str) -> tuple:
-    model = next(m for m in zoo_models.ZOO if m.name == name)
-    steps = zoo_models.batches(model, STEPS, DTYPE)
-    reference = zoo_models.train(zoo_models.make(model, DTYPE), steps)
+    model = next(m for m in dense.ZOO if m.name == name)
+    steps = dense.batches(model, STEPS, DTYPE)
+    reference = dense.train(dense.make(model, DTYPE), steps)
     results = {}
-    for layout in zoo_models.LAYOUTS:
-        laid_out, lay_out_batch = zoo_models.lay_out(model, layout, DTYPE)
-        results[layout.name] = zoo_models.train(laid_out, steps, lay_out_batch)
+    for layout in dense.LAYOUTS:
+        laid_out, lay_out_batch = dense.lay_out(model, layout, DTYPE)
+        results[layout.name] = dense.train(laid_out, steps, lay_out_batch)
     return reference, results
 
 
-@pytest.mark.parametrize("name", [m.name for m in zoo_models.ZOO])
+@pytest.mark.parametrize("name", [m.name for m in dense.ZOO])
 def test_an_unmodified_model_trains_like_one_process_in_every_layout(name):
     for rank, ((want_losses, want_grads), results) in enumerate(run_on_world(4, _run, name, _timeout=300)):
         _check(f"{name} on rank {rank}", want_losses, want_grads, results)
@@ -46,14 +46,14 @@ def test_an_unmodified_model_trains_like_one_process_in_every_layout(name):
 
 def _run_compiled(name: str, layout_name: str) -> tuple:
     """The model's forward compiled (``fullgraph=True``, ``aot_eager``), laid out by one layout."""
-    model = next(m for m in zoo_models.ZOO if m.name == name)
-    layout = next(lay for lay in zoo_models.LAYOUTS if lay.name == layout_name)
-    steps = zoo_models.batches(model, STEPS, DTYPE)
-    reference = zoo_models.train(zoo_models.make(model, DTYPE), steps)
+    model = next(m for m in dense.ZOO if m.name == name)
+    layout = next(lay for lay in dense.LAYOUTS if lay.name == layout_name)
+    steps = dense.batches(model, STEPS, DTYPE)
+    reference = dense.train(dense.make(model, DTYPE), steps)
     torch._dynamo.reset()
-    laid_out, lay_out_batch = zoo_models.lay_out(model, layout, DTYPE)
+    laid_out, lay_out_batch = dense.lay_out(model, layout, DTYPE)
     laid_out.forward = torch.compile(laid_out.forward, backend="aot_eager", fullgraph=True)
-    return reference, {layout_name: zoo_models.train(laid_out, steps, lay_out_batch)}
+    return reference, {layout_name: dense.train(laid_out, steps, lay_out_batch)}
 
 
 def test_an_unmodified_model_trains_compiled_like_one_process():
@@ -86,24 +86,24 @@ def _gpt2_compiled(how: str) -> tuple:
 
     def make():
         config = tf.GPT2Config(
-            n_layer=2, n_embd=32, n_head=4, vocab_size=zoo_models.VOCAB, n_positions=16, resid_pdrop=0.0,
+            n_layer=2, n_embd=32, n_head=4, vocab_size=dense.VOCAB, n_positions=16, resid_pdrop=0.0,
             embd_pdrop=0.0, attn_pdrop=0.0,
         )  # fmt: skip
         model = tf.GPT2LMHeadModel(config)
         model.loss_type = "ForCausalLM"  # (unset, transformers logs a warning, which torch 2.11's Dynamo cannot trace)
         return model
 
-    model = zoo_models.ZooModel("gpt2", make, zoo_models._tokens, (), ())
-    steps = zoo_models.batches(model, 2, DTYPE)
-    reference = zoo_models.train(zoo_models.make(model, DTYPE), steps)
+    model = dense.ZooModel("gpt2", make, dense._tokens, (), ())
+    steps = dense.batches(model, 2, DTYPE)
+    reference = dense.train(dense.make(model, DTYPE), steps)
     torch._dynamo.reset()
-    dp = zoo_models.Layout("dp", [0, 1], lambda m: None, (split(0),))
-    laid_out, lay_out_batch = zoo_models.lay_out(model, dp, DTYPE)
+    dp = dense.Layout("dp", [0, 1], lambda m: None, (split(0),))
+    laid_out, lay_out_batch = dense.lay_out(model, dp, DTYPE)
     if how == "module":
         laid_out = torch.compile(laid_out, backend="aot_eager", fullgraph=True)
     else:
         laid_out.forward = torch.compile(laid_out.forward, backend="aot_eager", fullgraph=True)
-    losses, grads = zoo_models.train(laid_out, steps, lay_out_batch)
+    losses, grads = dense.train(laid_out, steps, lay_out_batch)
     return reference, {how: (losses, {k.removeprefix("_orig_mod."): g for k, g in grads.items()})}
 
 

@@ -1,5 +1,5 @@
 """Mixture of experts on 4 CPU ranks: what one training step sends and how long it takes, for unmodified
-``transformers`` Mixtral and Qwen3-MoE (``benchmarks/moe_models.py``: top-2 routing, 4 and 6 experts, their default
+``transformers`` Mixtral and Qwen3-MoE (``zoo/moe.py``: top-2 routing, 4 and 6 experts, their default
 ``grouped_mm`` experts code) laid out by sbp_torch, beside a hand-written expert-parallel program.
 
 Variants (the same initial weights and batches; 8 sequences of 32 tokens, 2 per rank):
@@ -39,10 +39,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
 
-from benchmarks import harness, moe_models
+from benchmarks import harness
 from sbp_torch import _comm as comm
 from sbp_torch._api._explain import Explanation, recorder
 from sbp_torch._layout import balanced_part
+from zoo import moe
 
 TITLE = "Mixture of experts: data, expert and 2-D parallel Mixtral and Qwen3-MoE beside hand-written expert parallelism"
 WORLDS = [4]
@@ -54,7 +55,7 @@ def _batches(steps: int) -> list[dict]:
     generator = torch.Generator().manual_seed(1234)
     return [
         {"input_ids": ids, "labels": ids}
-        for ids in (torch.randint(0, moe_models.VOCAB, (ROWS, SEQ), generator=generator) for _ in range(steps))
+        for ids in (torch.randint(0, moe.VOCAB, (ROWS, SEQ), generator=generator) for _ in range(steps))
     ]
 
 
@@ -162,7 +163,7 @@ class _HandStep:
 
 class _GlobalStep:
     def __init__(self, model, layout):
-        self.model, self.lay = model, moe_models.lay_out(model, layout)
+        self.model, self.lay = model, moe.lay_out(model, layout)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         self.found = Explanation()
 
@@ -190,7 +191,7 @@ def _sent(step) -> tuple[dict, int]:
 
 
 def _reference_losses(name: str, batches: list[dict]) -> list[float]:
-    model = moe_models.make(name)
+    model = moe.make(name)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for batch in batches:
@@ -203,18 +204,18 @@ def _reference_losses(name: str, batches: list[dict]) -> list[float]:
 
 
 def _variant(name: str, variant: str):
-    model = moe_models.make(name)
+    model = moe.make(name)
     if variant.startswith("hand"):
         rank, world = dist.get_rank(), dist.get_world_size()
         per = ROWS // world
         return _HandStep(model, slice(rank * per, (rank + 1) * per), expert_parallel=variant == "hand EP")
-    return _GlobalStep(model, moe_models.LAYOUTS[variant])
+    return _GlobalStep(model, moe.LAYOUTS[variant])
 
 
 def measure(world: int, quick: bool) -> list[dict]:
     rounds, warmup = (4, 1) if quick else (20, 3)
     rows = []
-    for name in moe_models.MODELS:
+    for name in moe.MODELS:
         batches = _batches(5)
         want = _reference_losses(name, batches)
         steps = {v: _variant(name, v) for v in VARIANTS}

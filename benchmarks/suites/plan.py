@@ -29,11 +29,12 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import sbp_torch as st
-from benchmarks import harness, zoo_models
+from benchmarks import harness
 from benchmarks.suites.sharded import MEASURED, _peak_memory
 from benchmarks.suites.train import _relative_difference
 from sbp_torch import planner
 from sbp_torch.sbp import broadcast, split
+from zoo import dense
 
 sys.path.insert(
     0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples")
@@ -69,13 +70,13 @@ def _cases() -> list[_Case]:
     cases = [
         _Case("GPT example", gpt_model, _gpt_batches, lambda wrap: {k: wrap(v) for k, v in gpt.TENSOR_PARALLEL.items()})
     ]
-    for zoo in zoo_models.ZOO:
+    for zoo in dense.ZOO:
         if zoo.name in ZOO:
             cases.append(
                 _Case(
                     zoo.name,
-                    lambda zoo=zoo: zoo_models.make(zoo),
-                    lambda n, rows=ROWS, zoo=zoo: zoo_models.batches(zoo, n, rows=rows),
+                    lambda zoo=zoo: dense.make(zoo),
+                    lambda n, rows=ROWS, zoo=zoo: dense.batches(zoo, n, rows=rows),
                     lambda wrap, zoo=zoo: zoo.tp_plan(wrap),
                 )
             )
@@ -138,12 +139,12 @@ def _reference_losses(case: _Case, batches) -> list[float]:
 
 
 def _uneven_rows(costs) -> list[dict]:
-    zoo = next(z for z in zoo_models.ZOO if z.name == "gpt_neox")
+    zoo = next(z for z in dense.ZOO if z.name == "gpt_neox")
     rows = []
     line = st.placement("cpu", [0, 1, 2, 3])
     for label, n_rows, planned in (("DP, 8 rows", 8, False), ("DP, 6 rows", 6, False), ("planned, 6 rows", 6, True)):
-        batch = zoo_models.batches(zoo, 1, rows=n_rows)[0]
-        model = zoo_models.make(zoo)
+        batch = dense.batches(zoo, 1, rows=n_rows)[0]
+        model = dense.make(zoo)
         if planned:
             plan = planner.plan(model, batch, 4, costs=costs)
             model.to_global(plan)

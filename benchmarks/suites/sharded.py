@@ -6,7 +6,7 @@ same initial weights in every variant:
 
 * the GPT example (``examples/gpt.py``, its sizes set here: width 128, 4 heads, context 32, 4 blocks, 2 with
   ``--quick``), batch 8;
-* the zoo's Qwen2 (``benchmarks/zoo_models.py``: a Llama-style decoder, its tiny config), batch 8.
+* the zoo's Qwen2 (``zoo/dense.py``: a Llama-style decoder, its tiny config), batch 8.
 
 Variants (the batch is the same 8 rows; each rank computes on 2 of them):
 
@@ -67,12 +67,13 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import sbp_torch as st
-from benchmarks import harness, zoo_models
+from benchmarks import harness
 from benchmarks.suites.optimizer import code_state, load_gpt_example, load_note
 from benchmarks.suites.train import _relative_difference
 from benchmarks.suites.zoo import _first_line, _train_parallel
 from sbp_torch._api._sharding import MixedPrecision
 from sbp_torch.sbp import broadcast, split
+from zoo import dense
 
 TITLE = "Sharded data parallelism: sbp_torch's Module.to_global(shard=0), FSDP2 and replicated data parallelism"
 WORLDS = [4]
@@ -120,14 +121,14 @@ def _gpt_case(quick: bool) -> Case:
 
 
 def _zoo_case() -> Case:
-    qwen2 = next(m for m in zoo_models.ZOO if m.name == "qwen2")
+    qwen2 = next(m for m in dense.ZOO if m.name == "qwen2")
     return Case(
         "transformers Qwen2 (zoo)",
-        lambda: zoo_models.make(qwen2),
-        lambda steps: zoo_models.batches(qwen2, steps, rows=ROWS),
+        lambda: dense.make(qwen2),
+        lambda steps: dense.batches(qwen2, steps, rows=ROWS),
         lambda model, b: model(**b).loss,
         lambda model: list(model.model.layers),
-        f"2 layers, hidden 32, 4 heads (2 key/value), sequence {zoo_models.SEQ}, vocabulary {zoo_models.VOCAB}",
+        f"2 layers, hidden 32, 4 heads (2 key/value), sequence {dense.SEQ}, vocabulary {dense.VOCAB}",
     )
 
 

@@ -1,13 +1,13 @@
-"""Training steps per second of the model zoo: each model of ``benchmarks/zoo_models.py`` in each of its layouts,
+"""Training steps per second of the model zoo: each model of ``zoo/dense.py`` in each of its layouts,
 with sbp_torch and with DTensor on 4 ranks, beside the same model trained by one process.
 
 The zoo's models are unmodified Hugging Face ``transformers`` models (tiny configs, random weights); ``LAYOUTS``
 lays each out three ways on 4 ranks: ``dp`` (every tensor broadcast, the batch split over 4), ``tp`` (the
 Megatron-style plan of the model's linears over 4, the batch broadcast) and ``2d`` (a 2x2 grid: the batch split
-over its rows, the tensor-parallel plan over its columns). A step is what ``zoo_models.train`` does once: lay out
+over its rows, the tensor-parallel plan over its columns). A step is what ``zoo.dense.train`` does once: lay out
 the batch (8 rows: ``ROWS``), forward, ``zero_grad``, backward, AdamW ``step()`` and the loss as a Python number.
 Every variant of a model trains a copy of the same initial weights on the same batches, warm-up steps included,
-and its losses are compared step by step with ``zoo_models.train`` run by one process (recomputed in every rank
+and its losses are compared step by step with ``zoo.dense.train`` run by one process (recomputed in every rank
 of the 4-rank launch): the largest relative difference is recorded, so that a fast but wrong variant shows. Times
 are the slowest rank's, median and quartiles over the timed steps, after a few warm-up steps (first-step caches and
 optimizer state excluded). There are few steps per variant: the point is a picture over many models, not a
@@ -15,7 +15,7 @@ precise number for one.
 
 * ``plain``: the unmodified model trained by one process, in its own one-rank launch on one thread (as the train
   suite's baseline, and like each of the 4 ranks: these models are far too small to gain from intra-op threads).
-* ``sbp_torch``: ``zoo_models.lay_out(model, layout)``, i.e. ``Module.to_global(placement, layout.plan(model))``;
+* ``sbp_torch``: ``zoo.dense.lay_out(model, layout)``, i.e. ``Module.to_global(placement, layout.plan(model))``;
   the batch is broadcast from the same values and then laid out with the layout's batch SBP.
 * ``DTensor``: the same plan taken literally. A ``DeviceMesh`` of the layout's ranks (1-D of 4 for ``dp`` and
   ``tp``, 2x2 for ``2d``); every parameter and buffer is ``distribute_tensor``-ed with the placements mapped from
@@ -52,11 +52,12 @@ from torch.distributed.tensor import Partial as DTensorPartial
 from torch.distributed.tensor.experimental import implicit_replication
 
 import sbp_torch as st
-from benchmarks import harness, zoo_models
+from benchmarks import harness
 from benchmarks.suites.optimizer import code_state, load_note, timed_interleaved
 from benchmarks.suites.train import _fmt_rate, _relative_difference, _threads
 from sbp_torch._api._module import sbp_for
 from sbp_torch.sbp import Broadcast, Partial, Split, broadcast
+from zoo import dense
 
 TITLE = "Model zoo: training steps of Hugging Face models with sbp_torch, DTensor and one process"
 WORLDS = [1, 4]
@@ -123,8 +124,8 @@ class _Guarded:
 
 
 def _step(model: nn.Module, lay_out_batch=lambda t: t):
-    """One step of ``zoo_models.train`` as a function of the batch, on a persistent AdamW."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)  # as zoo_models.train
+    """One step of ``zoo.dense.train`` as a function of the batch, on a persistent AdamW."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)  # as zoo.dense.train
 
     def step(batch):
         loss = model(**{k: lay_out_batch(v) for k, v in batch.items()}).loss
@@ -161,9 +162,9 @@ def _dtensor_step(zoo_model, layout, mesh: DeviceMesh):
     plan = layout.plan(zoo_model)
     if plan is None:  # as Module.to_global: everything broadcast
         plan = (broadcast,) * placement.ndim
-    model = _distribute_model(zoo_models.make(zoo_model), mesh, plan, placement)
+    model = _distribute_model(dense.make(zoo_model), mesh, plan, placement)
     batch_placements = _placements(layout.batch_sbp)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)  # as zoo_models.train
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)  # as zoo.dense.train
 
     def step(batch):
         with implicit_replication():  # the models build plain tensors in forward
@@ -177,7 +178,7 @@ def _dtensor_step(zoo_model, layout, mesh: DeviceMesh):
 
 
 def _train_plain(zoo_model, batches, warmup: int, repeats: int) -> tuple[dict, list[float]]:
-    step, feed, losses = _step(zoo_models.make(zoo_model)), iter(batches), []
+    step, feed, losses = _step(dense.make(zoo_model)), iter(batches), []
     stats = timed_interleaved({"plain": lambda: losses.append(step(next(feed)))}, repeats, warmup)
     return stats["plain"], losses
 
@@ -206,12 +207,12 @@ def _train_parallel(
 def measure(world: int, quick: bool) -> list[dict]:
     code = code_state()  # at the start: the code this process imported
     warmup, repeats = QUICK_STEPS if quick else STEPS
-    models = zoo_models.ZOO[:QUICK_MODELS] if quick else zoo_models.ZOO
+    models = dense.ZOO[:QUICK_MODELS] if quick else dense.ZOO
     rows = []
     if world == 1:
         torch.set_num_threads(1)  # see the module docstring
         for zoo_model in models:
-            batches = zoo_models.batches(zoo_model, warmup + repeats, rows=ROWS)
+            batches = dense.batches(zoo_model, warmup + repeats, rows=ROWS)
             stats, losses = _train_plain(zoo_model, batches, warmup, repeats)
             rows.append(
                 {
@@ -228,13 +229,13 @@ def measure(world: int, quick: bool) -> list[dict]:
             )
             print(f"  {zoo_model.name:9} plain     {1e6 / stats['median_us']:7.2f} steps/s", flush=True)
         return rows
-    meshes = {layout.name: DeviceMesh("cpu", layout.ranks) for layout in zoo_models.LAYOUTS}  # once: new groups
+    meshes = {layout.name: DeviceMesh("cpu", layout.ranks) for layout in dense.LAYOUTS}  # once: new groups
     for zoo_model in models:
-        batches = zoo_models.batches(zoo_model, warmup + repeats, rows=ROWS)
-        want, _ = zoo_models.train(zoo_models.make(zoo_model), batches)
-        for layout in zoo_models.LAYOUTS:
+        batches = dense.batches(zoo_model, warmup + repeats, rows=ROWS)
+        want, _ = dense.train(dense.make(zoo_model), batches)
+        for layout in dense.LAYOUTS:
             steps = {
-                "sbp_torch": _Guarded(lambda: _step(*zoo_models.lay_out(zoo_model, layout))),
+                "sbp_torch": _Guarded(lambda: _step(*dense.lay_out(zoo_model, layout))),
                 "dtensor": _Guarded(lambda: _dtensor_step(zoo_model, layout, meshes[layout.name])),
             }
             for library, (stats, guarded) in _train_parallel(steps, batches, warmup, repeats).items():
@@ -317,7 +318,7 @@ def report(rows: list[dict]) -> str:
                 ratios.append(dt["step"]["median_us"] / sbp["step"]["median_us"])
     lines = [
         "Steps per second of one training step (lay out the batch, forward, backward, AdamW, read the loss) of each "
-        "model of `benchmarks/zoo_models.py`, median (quartiles) over the timed steps, each the slowest rank's; "
+        "model of `zoo/dense.py`, median (quartiles) over the timed steps, each the slowest rank's; "
         "`plain` is one process. Written by `benchmarks/suites/zoo.py`; its docstring gives the DTensor setup.",
         "",
         harness.markdown_table(header, table),
@@ -342,7 +343,7 @@ def report(rows: list[dict]) -> str:
     if ran:
         steps = len(ran[0]["losses"])
         text = (
-            f"Loss differences: largest relative difference from single-process training (`zoo_models.train`, "
+            f"Loss differences: largest relative difference from single-process training (`zoo.dense.train`, "
             f"recomputed in each rank of the 4-rank launch) over all {steps} steps, warm-up included."
         )
         plain = {r["model"]: r["losses"] for r in rows if r["library"] == "plain"}
