@@ -29,10 +29,9 @@ import sbp_torch as st
 from sbp_torch.sbp import broadcast, split
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.harness import machine, markdown_table  # noqa: E402
+from benchmarks.harness import DOCS, machine, markdown_table  # noqa: E402
 
 HIDDEN = 32
-DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "benchmarks")
 
 
 class Block(nn.Module):

@@ -4,7 +4,7 @@ Run on a 1-D mesh of 2 ranks and on a 2x2 mesh:
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/dispatch_decisions.py
     python -m torch.distributed.run --standalone --nproc-per-node 4 benchmarks/dispatch_decisions.py
-    python benchmarks/dispatch_decisions.py --report     # writes docs/dispatch_decisions.md
+    python benchmarks/dispatch_decisions.py --report     # writes docs/benchmarks/dispatch_decisions.md
 
 For each op the decision is timed alone (no data moves): sbp_torch's ``decide`` of a bound call (a miss; boxing
 plans stay cached, as they are after the first step of training) against the call cache's lookup of the call's key
@@ -25,7 +25,6 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import harness  # noqa: E402
 
-RESULTS = os.path.join(os.path.dirname(__file__), "results")
 REPEATS = 200
 aten = torch.ops.aten
 
@@ -125,7 +124,7 @@ def report() -> None:
     ]
     ratios = []
     for world in (2, 4):
-        path = os.path.join(RESULTS, f"dispatch_decisions_{world}.json")
+        path = os.path.join(harness.DOCS, f"dispatch_decisions_{world}.json")
         if not os.path.exists(path):
             continue
         for row in json.load(open(path)):
@@ -145,8 +144,7 @@ def report() -> None:
             f"it (boxing plans cached). The cached decision is {min(ratios):.0f}x to {max(ratios):.0f}x cheaper than",
             "the first one (the target was 20x).",
         ]
-    out = os.path.join(os.path.dirname(__file__), "..", "docs", "dispatch_decisions.md")
-    with open(out, "w") as f:
+    with open(os.path.join(harness.DOCS, "dispatch_decisions.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -158,8 +156,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rows = measure()
     if dist.get_rank() == 0:
-        os.makedirs(RESULTS, exist_ok=True)
-        with open(os.path.join(RESULTS, f"dispatch_decisions_{dist.get_world_size()}.json"), "w") as f:
+        with open(os.path.join(harness.DOCS, f"dispatch_decisions_{dist.get_world_size()}.json"), "w") as f:
             json.dump(rows, f, indent=1)
         for row in rows:
             print(

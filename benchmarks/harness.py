@@ -8,7 +8,8 @@ A suite is a module of ``benchmarks/suites`` with
   (the runner adds the machine line and the plot), and optionally ``plot(rows, path)``: a PNG.
 
 ``python -m benchmarks.run --suite NAME`` launches the ranks (``torchrun``), gathers rows into
-``docs/benchmarks/<suite>.json`` and writes the markdown table and plot next to it.
+``docs/benchmarks/<suite>.json`` and writes the markdown table and plot next to it. ``DOCS`` is that folder:
+everything a benchmark writes, suite or script, goes there.
 
 Timing: ``timed(fn)`` runs ``fn`` after warm-up, ``repeats`` times, with all ranks starting each repetition
 together (a barrier outside the timed region) and each repetition's time being the slowest rank's, since
@@ -17,12 +18,15 @@ a collective step is as slow as its slowest rank. Results are medians with the i
 
 from __future__ import annotations
 
+import os
 import platform
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
+
+DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "benchmarks")
 
 
 def timed(fn, repeats: int = 50, warmup: int = 5, sync=None) -> dict:
@@ -93,8 +97,6 @@ def machine() -> str:
         if torch.cuda.is_available()
         else f"CPU ({platform.processor() or platform.machine()})"
     )
-    import os
-
     return f"{device}, {os.cpu_count()} cores, torch {torch.__version__}, Python {platform.python_version()}"
 
 

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import harness  # noqa: E402
 
 CALLS = 5000
-OUT = os.path.join(os.path.dirname(__file__), "..", "docs", "benchmarks", "dispatch_profile.md")
+OUT = os.path.join(harness.DOCS, "dispatch_profile.md")
 
 
 def _per_call_us(fn) -> float:

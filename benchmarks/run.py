@@ -22,8 +22,10 @@ import subprocess
 import sys
 import tempfile
 
+from benchmarks import harness
+from benchmarks.harness import DOCS
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DOCS = os.path.join(REPO, "docs", "benchmarks")
 SUITES = [
     "dispatch",
     "boxing",
@@ -92,8 +94,6 @@ def _launch(suite: str, world: int, quick: bool) -> list[dict]:
 
 
 def run_suite(name: str, quick: bool) -> None:
-    from benchmarks import harness
-
     suite = _suite(name)
     rows = []
     for world in suite.WORLDS:

@@ -4,7 +4,7 @@ of per-call times, the bandwidth the bytes each call must move imply, and its fr
 copy bandwidth measured in the same run. GPU only; run by scripts/gpu.sh (stage kernel_bench, which puts Liger
 on the path).
 
-    python -m benchmarks.kernels.bench --out DIR             # measure: DIR/kernels.{json,md} and docs/benchmarks/
+    python -m benchmarks.kernels.bench [--out DIR]           # measure: docs/benchmarks/kernels.{json,md} (and DIR/)
     python -m benchmarks.kernels.bench --report FILE.json    # docs/benchmarks/kernels.md from a measurement
 
 Sizes run largest first (the targets are stated there). torch.compile and Liger compile per shape and
@@ -23,10 +23,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from benchmarks import harness
 from sbp_torch import kernels as K
 
 SIZES = [(32768, 8192), (8192, 4096), (2048, 1024)]  # tokens x hidden; cross entropy: tokens / 4 x 32 * hidden
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "benchmarks"
+DOCS = Path(harness.DOCS)
 VARIANTS = ("fused", "eager", "compile", "liger")
 
 
@@ -285,14 +286,14 @@ def write(measured: dict, *dirs: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default="benchmarks/kernels/out")
+    parser.add_argument("--out", help="a folder that also gets kernels.json and kernels.md (scripts/gpu.sh's logs)")
     parser.add_argument("--budget", type=float, default=90.0, help="seconds after which compile/Liger are skipped")
     parser.add_argument("--report", help="write docs/benchmarks/kernels.md from this kernels.json; measure nothing")
     args = parser.parse_args()
     if args.report:
         write(json.loads(Path(args.report).read_text()), DOCS)
         return
-    write(measure(args), Path(args.out), DOCS)
+    write(measure(args), DOCS, *([Path(args.out)] if args.out else []))
 
 
 if __name__ == "__main__":

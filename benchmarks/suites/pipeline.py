@@ -29,6 +29,7 @@ stages are equal and the measurement is the runtime's scheduling, not arithmetic
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 import time
 
@@ -37,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 import sbp_torch as st
-from benchmarks.harness import markdown_table
+from benchmarks.harness import DOCS, markdown_table
 from sbp_torch.pipeline import SCHEDULES, Pipeline
 from sbp_torch.pipeline import _transfer as transfer
 
@@ -316,7 +317,7 @@ def measure(world: int, quick: bool) -> list[dict]:
             if m == 8 and dist.get_rank() == 0 and schedule == "1f1b":
                 suffix = "" if virtual == 1 else f"_interleaved{virtual}"
                 timeline.write_png(
-                    f"docs/benchmarks/pipeline_timeline_p{world}{suffix}.png",
+                    os.path.join(DOCS, f"pipeline_timeline_p{world}{suffix}.png"),
                     f"{name}, p={world}, m={m}: forward {FORWARD_S * 1e3:g} ms, "
                     f"backward {BACKWARD_S * 1e3:g} ms per micro-batch and rank",
                 )
