@@ -87,10 +87,6 @@ def _transitions(mesh_shape: tuple[int, ...]) -> list[tuple[tuple[str, ...], tup
     return [((a,), (b,)) for a, b in itertools.permutations(ONE_D, 2)]
 
 
-def _meshes(world: int) -> list[tuple[int, ...]]:
-    return [(world,)] if world != 4 else [(4,), (2, 2)]
-
-
 # ---- layouts, without the planner ----------------------------------------------------------------------
 
 
@@ -162,22 +158,6 @@ def min_bytes(shape, itemsize: int, mesh_shape, src, dst) -> int:
 # ---- building inputs -----------------------------------------------------------------------------------
 
 
-def _sbp(token: str):
-    from sbp_torch.sbp import broadcast, partial_max, partial_sum, split
-
-    return {"B": broadcast, "P": partial_sum, "Pmax": partial_max}.get(token) or split(int(token[1:]))
-
-
-def _dt_placement(token: str):
-    from torch.distributed.tensor import Partial, Replicate, Shard
-
-    if token == "B":
-        return Replicate()
-    if token.startswith("P"):
-        return Partial("max" if token == "Pmax" else "sum")
-    return Shard(int(token[1:]))
-
-
 def _token(sbp) -> str:
     from sbp_torch.sbp import Broadcast, Partial
 
@@ -225,13 +205,13 @@ class _Env:
         value = self.addend(full, layout)
         box = region(full.shape, self.shape, self.coord, layout)
         local = value[tuple(slice(s, s + n) for s, n in box)].contiguous()
-        ours = local.to_global(self.placement, tuple(map(_sbp, layout)), check_meta=False)
-        plain = [_dt_placement("B" if t.startswith("P") else t) for t in layout]
+        ours = local.to_global(self.placement, tuple(map(harness.sbp, layout)), check_meta=False)
+        plain = [harness.dtensor_placement("B" if t.startswith("P") else t) for t in layout]
         their_local = distribute_tensor(value, self.mesh, plain, src_data_rank=None).to_local()
         theirs = DTensor.from_local(
             their_local,
             self.mesh,
-            [_dt_placement(t) for t in layout],
+            [harness.dtensor_placement(t) for t in layout],
             run_check=False,
             shape=full.shape,
             stride=full.stride(),
@@ -362,8 +342,8 @@ def _case(env: _Env, src, dst, label, shape, quick) -> dict:
     gen = torch.Generator().manual_seed(zlib.crc32(repr((src, dst, shape)).encode()))  # the same on every rank
     full = torch.randn(shape, generator=gen)
     ours, theirs = env.inputs(full, src)
-    dst_sbp = tuple(map(_sbp, dst))
-    dst_dt = [_dt_placement(t) for t in dst]
+    dst_sbp = tuple(map(harness.sbp, dst))
+    dst_dt = [harness.dtensor_placement(t) for t in dst]
     plan = st.boxing_plan(ours, dst_sbp)
     row = {
         "mesh": env.name,
@@ -405,7 +385,7 @@ def _case(env: _Env, src, dst, label, shape, quick) -> dict:
 def measure(world: int, quick: bool) -> list[dict]:
     sizes = [s for s in SIZES if not quick or s[0] in QUICK_SIZES]
     rows = []
-    for mesh_shape in _meshes(world):
+    for mesh_shape in harness.meshes(world):
         env = _Env(mesh_shape)
         for src, dst in _transitions(mesh_shape):
             for label, shape in sizes:

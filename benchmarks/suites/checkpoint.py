@@ -38,7 +38,6 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import sbp_torch as st
 from benchmarks import harness
-from benchmarks.suites.optimizer import code_state, load_gpt_example
 from sbp_torch.sbp import Split
 
 TITLE = "Checkpoints: save and load of a training state with sbp_torch, DCP with DTensor, and the disk"
@@ -49,7 +48,7 @@ LIBRARIES = {"sbp_torch": "sbp_torch", "dtensor": "DCP + DTensor", "disk": "disk
 
 
 def _gpt_module():
-    module = load_gpt_example()
+    module = harness.load_gpt_example()
     module.WIDTH, module.VOCAB = WIDTH, VOCAB  # the example's classes read these when built
     return module
 
@@ -211,7 +210,7 @@ def measure(world: int, quick: bool) -> list[dict]:
                     "bytes": logical,
                     "own_bytes": own,
                     "peak_over_own": peak.item(),
-                    "code": code_state(),
+                    "code": harness.code_state(),
                 }
             )
     dist.barrier()

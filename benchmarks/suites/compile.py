@@ -33,7 +33,6 @@ import torch.distributed as dist
 from benchmarks import harness
 from benchmarks.suites import train
 from benchmarks.suites.handwritten_gpt import handwritten_step
-from benchmarks.suites.optimizer import code_state, load_gpt_example, load_note, timed_interleaved
 
 TITLE = "Compiled training steps: the GPT example under torch.compile, sbp_torch and DTensor"
 WORLDS = [4]
@@ -86,8 +85,8 @@ def measure(world: int, quick: bool) -> list[dict]:
     torch._functorch.config.enable_autograd_cache = False
     torch._inductor.config.bucket_all_reduces_fx = "all"
     torch._inductor.config.bucket_reduce_scatters_fx = "all"
-    code = code_state()
-    gpt = load_gpt_example()
+    code = harness.code_state()
+    gpt = harness.load_gpt_example()
     warmup, repeats = (2, 8) if quick else (5, 30)
     first, *batches = gpt.batches(warmup + repeats + 1)
     torch.manual_seed(0)
@@ -100,10 +99,8 @@ def measure(world: int, quick: bool) -> list[dict]:
         torch._dynamo.reset()
         dtensor = train.DTENSOR_STEPS[mode]
         steps = {
-            "sbp_torch eager": train._sbp_torch_step(gpt, copy.deepcopy(initial), mode),
-            "sbp_torch compiled": _compiled(
-                lambda g, m: train._sbp_torch_step(g, m, mode), gpt, copy.deepcopy(initial)
-            ),
+            "sbp_torch eager": train.sbp_torch_step(gpt, copy.deepcopy(initial), mode),
+            "sbp_torch compiled": _compiled(lambda g, m: train.sbp_torch_step(g, m, mode), gpt, copy.deepcopy(initial)),
             "DTensor eager": dtensor(gpt, copy.deepcopy(initial)),
             "DTensor compiled": _compiled(dtensor, gpt, copy.deepcopy(initial)),
             "hand-written compiled": _handwritten(gpt, copy.deepcopy(initial), mode),
@@ -118,7 +115,7 @@ def measure(world: int, quick: bool) -> list[dict]:
         runnable = {n: s for n, s in steps.items() if not isinstance(first_step[n], str)}
         feeds = {n: iter(batches) for n in runnable}
         calls = {n: (lambda n=n, s=s: losses[n].append(s(*next(feeds[n])))) for n, s in runnable.items()}
-        stats = timed_interleaved(calls, repeats, warmup)
+        stats = harness.timed_interleaved(calls, repeats, warmup)
         for name in steps:
             row = {"world": world, "mode": mode, "variant": name, "code": code, "load": os.getloadavg()[0]}
             if name in stats:
@@ -136,19 +133,6 @@ def measure(world: int, quick: bool) -> list[dict]:
     return rows
 
 
-def _rate(row: dict | None) -> str:
-    if not row or "step" not in row:
-        return "—"
-    s = row["step"]
-    return f"{1e6 / s['median_us']:.1f} ({1e6 / s['q3_us']:.1f}–{1e6 / s['q1_us']:.1f})"
-
-
-def _ratio(a: dict | None, b: dict | None) -> str:
-    if not a or not b or "step" not in a or "step" not in b:
-        return "—"
-    return f"{b['step']['median_us'] / a['step']['median_us']:.2f}x"
-
-
 def _compile_ratio(a: dict | None, b: dict | None) -> str:
     if not a or not b or "step" not in a or "step" not in b:
         return "—"
@@ -159,15 +143,15 @@ def report(rows: list[dict]) -> str:
     by = {(r["mode"], r["variant"]): r for r in rows}
     table, compile_rows, errors = [], [], []
     for mode in MODES:
-        row = [train.MODE_NAMES[mode]] + [_rate(by.get((mode, v))) for v in VARIANTS]
+        row = [harness.LAYOUT_NAMES[mode]] + [harness.fmt_rate(by.get((mode, v), {}).get("step")) for v in VARIANTS]
         sbp_c, sbp_e, dt_c, floor = (
             by.get((mode, v))
             for v in ("sbp_torch compiled", "sbp_torch eager", "DTensor compiled", "hand-written compiled")
         )
-        row += [_ratio(sbp_c, sbp_e), _ratio(sbp_c, dt_c), _ratio(sbp_c, floor)]
+        row += [harness.rate_ratio(sbp_c, sbp_e), harness.rate_ratio(sbp_c, dt_c), harness.rate_ratio(sbp_c, floor)]
         table.append(row)
         compile_rows.append(
-            [train.MODE_NAMES[mode]]
+            [harness.LAYOUT_NAMES[mode]]
             + [
                 f"{by[(mode, v)]['first_step_s']:.1f}" if "step" in by.get((mode, v), {}) else "—"
                 for v in ("sbp_torch compiled", "DTensor compiled", "hand-written compiled")
@@ -176,7 +160,7 @@ def report(rows: list[dict]) -> str:
             + [", ".join(f"{by[(mode, v)]['max_rel_diff']:.1e}" for v in VARIANTS if "step" in by.get((mode, v), {}))]
         )
         errors += [
-            f"- {train.MODE_NAMES[mode]}, {v}: `{by[(mode, v)]['error']}`"
+            f"- {harness.LAYOUT_NAMES[mode]}, {v}: `{by[(mode, v)]['error']}`"
             for v in VARIANTS
             if "error" in by.get((mode, v), {})
         ]
@@ -210,5 +194,5 @@ def report(rows: list[dict]) -> str:
     ]
     if errors:
         lines += ["Variants that did not run:", "", *errors, ""]
-    lines += [f"Code measured: {rows[0]['code'] if rows else '?'}. {load_note(rows)}"]
+    lines += [f"Code measured: {rows[0]['code'] if rows else '?'}. {harness.load_note(rows)}"]
     return "\n".join(lines)

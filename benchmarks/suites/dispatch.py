@@ -93,22 +93,6 @@ CASES = [
 ]
 
 
-def _meshes(world: int) -> list[tuple[int, ...]]:
-    return [(world,)] if world != 4 else [(4,), (2, 2)]
-
-
-def _sbp(token: str):
-    from sbp_torch.sbp import broadcast, split
-
-    return broadcast if token == "B" else split(int(token[1:]))
-
-
-def _placement_dt(token: str):
-    from torch.distributed.tensor import Replicate, Shard
-
-    return Replicate() if token == "B" else Shard(int(token[1:]))
-
-
 class _Env:
     """One placement and the DTensor mesh of the same ranks, and this rank's coordinate on them."""
 
@@ -148,12 +132,12 @@ class _Env:
             local = self.local_part(full, layout)
             fulls.append(full)
             locals_.append(local)
-            ours.append(local.clone().to_global(self.placement, tuple(map(_sbp, layout)), check_meta=False))
+            ours.append(local.clone().to_global(self.placement, tuple(map(harness.sbp, layout)), check_meta=False))
             theirs.append(
                 DTensor.from_local(
                     local.clone(),
                     self.mesh,
-                    [_placement_dt(t) for t in layout],
+                    [harness.dtensor_placement(t) for t in layout],
                     run_check=False,
                     shape=full.shape,
                     stride=full.stride(),
@@ -226,7 +210,7 @@ def _slowest(stat: dict) -> dict:
 def measure(world: int, quick: bool) -> list[dict]:
     repeats, misses = (15, 8) if quick else (60, 30)
     rows = []
-    for mesh_shape in _meshes(world):
+    for mesh_shape in harness.meshes(world):
         env = _Env(mesh_shape)
         for seed, (name, kinds, fn) in enumerate(CASES):
             fulls, ours, theirs, locals_ = env.inputs(kinds, -1, seed)

@@ -67,9 +67,8 @@ def _gpt2(c: dict):
 
 
 def _example(c: dict):
-    from benchmarks.suites.optimizer import load_gpt_example
 
-    gpt = load_gpt_example()  # a fresh module: its sizes are module constants, set here before building
+    gpt = harness.load_gpt_example()  # a fresh module: its sizes are module constants, set here before building
     gpt.VOCAB, gpt.CONTEXT, gpt.WIDTH, gpt.HEADS = c["vocab"], c["seq"], c["hidden"], c["heads"]
     return gpt.GPT(c["layers"]), lambda model, ids: model(ids, ids)
 

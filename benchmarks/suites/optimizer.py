@@ -24,10 +24,7 @@ Target (the issue): the sbp_torch step at most 2x the plain step.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import os
-import subprocess
-import time
 
 import torch
 import torch.distributed as dist
@@ -40,61 +37,10 @@ from sbp_torch.sbp import broadcast
 
 TITLE = "Optimizer step: AdamW over a transformer's parameters"
 WORLDS = [2, 4]
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LIBRARIES = ["plain", "sbp_torch", "dtensor"]
 TARGET = 2.0  # sbp_torch step / plain step, for the ~50-tensor model
 LAYERS = 3  # GPT blocks of the ~50-tensor model the target is about; the full run adds MORE_LAYERS
 MORE_LAYERS = 12
-
-
-def load_gpt_example():
-    """``examples/gpt.py`` as a module (``examples`` is not a package; its model is reused, not copied)."""
-    spec = importlib.util.spec_from_file_location("gpt_example", os.path.join(REPO, "examples", "gpt.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def code_state() -> str:
-    """The commit measured, marked when ``sbp_torch/`` had uncommitted changes (work in progress)."""
-
-    def git(*args):
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
-
-    dirty = " + uncommitted changes in sbp_torch/" if git("status", "--porcelain", "sbp_torch") else ""
-    return (git("rev-parse", "--short", "HEAD") or "unknown") + dirty
-
-
-def timed_interleaved(fns: dict, repeats: int, warmup: int) -> dict[str, dict]:
-    """``harness.timed`` for several functions at once, taking turns: name -> median and quartiles (µs).
-
-    On a shared machine the load drifts; taking turns (one call of each per round) gives every function the
-    same conditions, so their ratio holds even when the absolute times move. Each call starts after a
-    barrier and counts as the slowest rank's time.
-    """
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    samples = torch.zeros(len(fns), repeats, dtype=torch.float64)
-    for r in range(repeats):
-        for i, fn in enumerate(fns.values()):
-            dist.barrier()
-            start = time.perf_counter_ns()
-            fn()
-            samples[i, r] = (time.perf_counter_ns() - start) / 1e3
-    dist.all_reduce(samples, op=dist.ReduceOp.MAX)
-    return {name: harness.summary(samples[i].tolist()) for i, name in enumerate(fns)}
-
-
-def load_note(rows: list[dict]) -> str:
-    """A sentence giving the machine's 1-minute load average after each measurement."""
-    loads = [r["load"] for r in rows if "load" in r]
-    if not loads:
-        return ""
-    return (
-        f"1-minute load average of the machine after each measurement: {min(loads):.1f} to {max(loads):.1f} "
-        f"({os.cpu_count()} cores); above the number of ranks means other jobs shared the cores."
-    )
 
 
 def _adamw(params) -> torch.optim.AdamW:
@@ -125,7 +71,7 @@ def _case(gpt, layers: int, world: int, quick: bool, code: str) -> list[dict]:
     repeats, warmup = (10, 3) if quick else (50, 5)
     row = {"world": world, "layers": layers, "tensors": len(params), "numel": sum(p.numel() for p in params)}
     steps = {name: _adamw(group).step for name, group in zip(LIBRARIES, (plain, sbp_params, dt_params))}
-    row.update(timed_interleaved(steps, repeats, warmup))
+    row.update(harness.timed_interleaved(steps, repeats, warmup))
     with torch.no_grad():  # the same steps on the same values: the same parameters
         row["max_abs_diff_sbp_torch"] = max((a - b.to_local()).abs().max().item() for a, b in zip(plain, sbp_params))
         row["max_abs_diff_dtensor"] = max((a - b.to_local()).abs().max().item() for a, b in zip(plain, dt_params))
@@ -134,8 +80,8 @@ def _case(gpt, layers: int, world: int, quick: bool, code: str) -> list[dict]:
 
 
 def measure(world: int, quick: bool) -> list[dict]:
-    code = code_state()  # at the start: the code this process imported
-    gpt = load_gpt_example()
+    code = harness.code_state()  # at the start: the code this process imported
+    gpt = harness.load_gpt_example()
     rows = []
     for layers in [LAYERS] if quick else [LAYERS, MORE_LAYERS]:
         rows += _case(gpt, layers, world, quick, code)
@@ -195,7 +141,7 @@ def report(rows: list[dict]) -> str:
             *verdicts,
             "",
             f"The last column is the largest difference of a parameter from the plain one after the same steps. "
-            f"Code measured: {rows[0]['code'] if rows else '?'}. {load_note(rows)}",
+            f"Code measured: {rows[0]['code'] if rows else '?'}. {harness.load_note(rows)}",
         ]
     )
 

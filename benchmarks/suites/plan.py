@@ -30,8 +30,6 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 import sbp_torch as st
 from benchmarks import harness
-from benchmarks.suites.sharded import MEASURED, _peak_memory
-from benchmarks.suites.train import _relative_difference
 from sbp_torch import planner
 from sbp_torch.sbp import broadcast, split
 from zoo import dense
@@ -172,9 +170,9 @@ def _memory_rows(costs, quick) -> list[dict]:
     losses = []
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         for i, batch in enumerate(batches[:2]):
-            with record_function(MEASURED if i == 1 else "step"):
+            with record_function(harness.MEASURED if i == 1 else "step"):
                 losses.append(step(batch))
-    peak = torch.tensor([float(_peak_memory(prof)["peak"])], dtype=torch.float64)
+    peak = torch.tensor([float(harness.peak_memory(prof)["peak"])], dtype=torch.float64)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     want = _reference_losses(case, batches[:2])
     return [
@@ -186,7 +184,7 @@ def _memory_rows(costs, quick) -> list[dict]:
             "layout": plan.label,
             "predicted": plan.predicted.memory_bytes,
             "measured_peak": peak.item(),
-            "loss_diff": _relative_difference(losses, want),
+            "loss_diff": harness.relative_difference(losses, want),
         }
     ]
 
@@ -221,7 +219,7 @@ def measure(world: int, quick: bool) -> list[dict]:
                     "layout": name,
                     **stats,
                     "predicted_s": predicted.step_s,
-                    "loss_diff": _relative_difference(losses, want),
+                    "loss_diff": harness.relative_difference(losses, want),
                 }
             )
         started = time.perf_counter()
@@ -237,7 +235,7 @@ def measure(world: int, quick: bool) -> list[dict]:
                 "layout": plan.label,
                 **stats,
                 "predicted_s": plan.predicted.step_s,
-                "loss_diff": _relative_difference(losses, want),
+                "loss_diff": harness.relative_difference(losses, want),
                 "plan_seconds": seconds,
                 "decisions": plan.decisions,
             }

@@ -68,9 +68,6 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 import sbp_torch as st
 from benchmarks import harness
-from benchmarks.suites.optimizer import code_state, load_gpt_example, load_note
-from benchmarks.suites.train import _relative_difference
-from benchmarks.suites.zoo import _first_line, _train_parallel
 from sbp_torch._api._sharding import MixedPrecision
 from sbp_torch.sbp import broadcast, split
 from zoo import dense
@@ -83,7 +80,6 @@ ROWS = 8  # batch rows: 2 per rank
 PROFILED = 2  # steps of the memory run; the second is measured
 STEPS, QUICK_STEPS = (3, 20), (1, 5)  # (warm-up, timed) steps after the profiled ones
 MEMORY_TARGET, TIME_TARGET, LOSS_TOLERANCE = 1.05, 1.0, 1e-5
-MEASURED = "measured step"
 
 
 @dataclass(frozen=True)
@@ -99,7 +95,7 @@ class Case:
 
 
 def _gpt_case(quick: bool) -> Case:
-    gpt = load_gpt_example()  # a fresh module: its sizes are module constants, set here before building
+    gpt = harness.load_gpt_example()  # a fresh module: its sizes are module constants, set here before building
     gpt.CONTEXT, gpt.WIDTH, gpt.HEADS = 32, 128, 4
     layers = 2 if quick else 4
 
@@ -198,45 +194,10 @@ def _builders(case: Case, mesh) -> dict[str, Callable[[], _Trainer]]:
     }
 
 
-def _allocations(nodes):
-    """The allocation events of a profiler event tree (nested under the ops that made them), depth first."""
-    for node in nodes:
-        if isinstance(node.extra_fields, torch._C._profiler._ExtraFields_Allocation):
-            yield node
-        yield from _allocations(node.children)
-
-
-def _peak_memory(prof) -> dict:
-    """Bytes held (allocated minus freed since profiling began) at the measured step's start, its peak and its end.
-
-    The profiler sees allocations and frees only on threads it profiles, and a block allocated there may be freed
-    on another (a collective's worker thread releasing the last reference): its free is missing. Such a block is
-    counted as freed when its address is handed out again, at the latest; a free of a block allocated before
-    profiling began is ignored."""
-    tree = prof.profiler.kineto_results.experimental_event_tree()
-    window = next(e for e in prof.profiler.kineto_results.events() if e.name() == MEASURED)
-    start, end = window.start_ns(), window.end_ns()
-    live: dict[int, int] = {}  # address -> bytes
-    held, at_start, peak = 0, None, 0
-    for node in sorted(_allocations(tree), key=lambda n: n.start_time_ns):
-        if node.start_time_ns > end:
-            break
-        if at_start is None and node.start_time_ns >= start:
-            at_start = peak = held
-        fields = node.extra_fields
-        held -= live.pop(fields.ptr, 0)  # a free, or a new block where a block whose free went unseen was
-        if fields.alloc_size > 0:
-            live[fields.ptr] = fields.alloc_size
-            held += fields.alloc_size
-        if node.start_time_ns >= start:
-            peak = max(peak, held)
-    return {"at_step_start": held if at_start is None else at_start, "peak": max(peak, held), "at_step_end": held}
-
-
 class _Variant:
     """One variant's trainer, built and trained for ``PROFILED`` steps under the memory profiler; then a training
-    step that stops at its first exception (the error kept, later calls doing nothing). The interface of the zoo
-    suite's guarded steps (``error``, ``losses``, ``agree``, call), so that its ``_train_parallel`` times it."""
+    step that stops at its first exception (the error kept, later calls doing nothing). The interface of
+    ``harness.Guarded`` (``error``, ``losses``, ``agree``, call), so that ``harness.train_in_turns`` times it."""
 
     def __init__(self, build: Callable[[], _Trainer], batches: list[dict]):
         self.error: str | None = None
@@ -247,22 +208,22 @@ class _Variant:
             with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
                 self.trainer = build()
                 for i, batch in enumerate(batches):
-                    with record_function(MEASURED if i == len(batches) - 1 else "step"):
+                    with record_function(harness.MEASURED if i == len(batches) - 1 else "step"):
                         self.losses.append(self.trainer.step(batch))
-            self.memory = _peak_memory(prof)
+            self.memory = harness.peak_memory(prof)
             self.memory["stored"] = self.trainer.stored_bytes()
             sharded = getattr(self.trainer.model, "_sbp_torch_sharded", None)
             if sharded is not None:
                 self.memory.update(sharded.memory())
         except Exception as err:
-            self.error = _first_line(err)
+            self.error = harness.first_line(err, __file__)
 
     def __call__(self, batch: dict) -> None:
         if self.error is None:
             try:
                 self.losses.append(self.trainer.step(batch))
             except Exception as err:
-                self.error = _first_line(err)
+                self.error = harness.first_line(err, __file__)
 
     def agree(self) -> None:
         """Make every rank see a failure of any rank (the message of the lowest rank that failed)."""
@@ -325,7 +286,7 @@ def _render_timeline(events: list, width: int = 96) -> str:
 
 
 def measure(world: int, quick: bool) -> list[dict]:
-    code = code_state()  # at the start: the code this process imported
+    code = harness.code_state()  # at the start: the code this process imported
     warmup, repeats = QUICK_STEPS if quick else STEPS
     mesh = init_device_mesh("cpu", (world,))
     rows = []
@@ -333,7 +294,7 @@ def measure(world: int, quick: bool) -> list[dict]:
         batches = case.batches(PROFILED + warmup + repeats)
         want = _reference_losses(case, batches)
         variants = {name: _Variant(build, batches[:PROFILED]) for name, build in _builders(case, mesh).items()}
-        timed = _train_parallel(variants, batches[PROFILED:], warmup, repeats)
+        timed = harness.train_in_turns(variants, batches[PROFILED:], warmup, repeats)
         for name, (stats, variant) in timed.items():
             ok = variant.error is None
             rows.append(
@@ -346,7 +307,7 @@ def measure(world: int, quick: bool) -> list[dict]:
                     "error": variant.error,
                     "memory": variant.memory if ok else None,
                     "losses": variant.losses,
-                    "max_rel_diff": _relative_difference(variant.losses, want) if ok else None,
+                    "max_rel_diff": harness.relative_difference(variant.losses, want) if ok else None,
                     "block_bytes": {d: _block_bytes(case, getattr(torch, d)) for d in ("float32", "bfloat16")},
                     "threads": torch.get_num_threads(),
                     "code": code,
@@ -368,7 +329,7 @@ def measure(world: int, quick: bool) -> list[dict]:
         for name, fp32 in BF16_OF.items():  # bf16 spread against the same library's float32 run
             got, base = (next(r for r in rows[-len(VARIANTS) :] if r["variant"] == v) for v in (name, fp32))
             if got["error"] is None and base["error"] is None:
-                got["rel_diff_to_fp32"] = _relative_difference(got["losses"], base["losses"])
+                got["rel_diff_to_fp32"] = harness.relative_difference(got["losses"], base["losses"])
     return rows
 
 
@@ -446,7 +407,7 @@ def report(rows: list[dict]) -> str:
     four = [r for r in rows if r["world"] == 4]
     parts.append(
         f"Each rank uses {four[0]['threads'] if four else '?'} thread(s); the 4 ranks share the machine's cores. "
-        f"Code measured: {rows[0]['code'] if rows else '?'}. {load_note(rows)}"
+        f"Code measured: {rows[0]['code'] if rows else '?'}. {harness.load_note(rows)}"
     )
     return "\n\n".join(parts)
 

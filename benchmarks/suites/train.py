@@ -59,13 +59,11 @@ from torch.distributed.tensor.parallel import (
 )
 
 from benchmarks import harness
-from benchmarks.suites.optimizer import code_state, load_gpt_example, load_note, timed_interleaved
 from sbp_torch.sbp import broadcast
 
 TITLE = "Training steps: the GPT example with sbp_torch, DTensor and one process"
 WORLDS = [1, 4]
 MODES = ["dp", "tp", "dp_tp"]
-MODE_NAMES = {"dp": "DP (4)", "tp": "TP (4)", "dp_tp": "DP x TP (2x2)"}
 TARGET = 1.2  # sbp_torch / DTensor steps per second in dp_tp
 LOSS_TOLERANCE = 1e-5  # the example's own check
 
@@ -83,10 +81,6 @@ def dtensor_tp_plan() -> dict:
     }
 
 
-def _relative_difference(got: list[float], want: list[float]) -> float:
-    return max(abs(g - w) / abs(w) for g, w in zip(got, want))
-
-
 def _timed_training(steps: dict, batches, warmup: int, repeats: int) -> dict[str, tuple[dict, list[float]]]:
     """Times each ``step(idx, targets) -> loss`` over ``batches`` (one per call), the steps taking turns;
     returns name -> (statistics, losses)."""
@@ -96,7 +90,7 @@ def _timed_training(steps: dict, batches, warmup: int, repeats: int) -> dict[str
         return lambda: losses[name].append(step(*next(batches)))
 
     calls = {name: one_step(name, step, iter(batches)) for name, step in steps.items()}
-    stats = timed_interleaved(calls, repeats, warmup)
+    stats = harness.timed_interleaved(calls, repeats, warmup)
     return {name: (stats[name], losses[name]) for name in steps}
 
 
@@ -113,7 +107,7 @@ def _collectives_per_step(step, batch) -> dict[str, int]:
     return dict(kinds.most_common())
 
 
-def _sbp_torch_step(gpt, model, mode: str):
+def sbp_torch_step(gpt, model, mode: str):
     placement, plan, batch_sbp = gpt.plans(dist.get_world_size())[mode]
     model.to_global(placement, plan)
     optimizer = gpt.make_optimizer(model)
@@ -226,8 +220,8 @@ DTENSOR_STEPS = {"dp": _dtensor_dp_step, "tp": _dtensor_tp_step, "dp_tp": _dtens
 
 
 def measure(world: int, quick: bool) -> list[dict]:
-    code = code_state()  # at the start: the code this process imported
-    gpt = load_gpt_example()
+    code = harness.code_state()  # at the start: the code this process imported
+    gpt = harness.load_gpt_example()
     warmup, repeats = (3, 10) if quick else (5, 40)
     *batches, last = gpt.batches(warmup + repeats + 1)  # the last: one more step, profiled, not timed
     torch.manual_seed(0)
@@ -258,7 +252,7 @@ def measure(world: int, quick: bool) -> list[dict]:
     rows = []
     for mode in MODES:
         steps = {
-            "sbp_torch": _sbp_torch_step(gpt, copy.deepcopy(initial), mode),
+            "sbp_torch": sbp_torch_step(gpt, copy.deepcopy(initial), mode),
             "dtensor": DTENSOR_STEPS[mode](gpt, copy.deepcopy(initial)),
         }
         for library, (stats, losses) in _timed_training(steps, batches, warmup, repeats).items():
@@ -269,7 +263,7 @@ def measure(world: int, quick: bool) -> list[dict]:
                     "mode": mode,
                     "step": stats,
                     "losses": losses,
-                    "max_rel_diff": _relative_difference(losses, want),
+                    "max_rel_diff": harness.relative_difference(losses, want),
                     "threads": torch.get_num_threads(),
                     "collectives": _collectives_per_step(steps[library], last),
                     "code": code,
@@ -283,22 +277,6 @@ def measure(world: int, quick: bool) -> list[dict]:
                     flush=True,
                 )
     return rows
-
-
-def _steps_per_second(stat: dict) -> tuple[float, float, float]:
-    """(median, low, high) steps/s from step-time statistics (the slow quartile gives the low rate)."""
-    return 1e6 / stat["median_us"], 1e6 / stat["q3_us"], 1e6 / stat["q1_us"]
-
-
-def _fmt_rate(stat: dict | None) -> str:
-    if not stat:
-        return "—"
-    mid, low, high = _steps_per_second(stat)
-    return f"{mid:.1f} ({low:.1f}–{high:.1f})"
-
-
-def _threads(n) -> str:
-    return f"{n} thread" + ("" if n == 1 else "s")
 
 
 def _fmt_collectives(kinds: dict[str, int]) -> str:
@@ -324,16 +302,16 @@ def report(rows: list[dict]) -> str:
         speedup = dt["step"]["median_us"] / sbp["step"]["median_us"]
         table.append(
             [
-                MODE_NAMES[mode],
-                _fmt_rate(sbp["step"]),
-                _fmt_rate(dt["step"]),
+                harness.LAYOUT_NAMES[mode],
+                harness.fmt_rate(sbp["step"]),
+                harness.fmt_rate(dt["step"]),
                 f"{speedup:.2f}x",
                 f"{sum(sbp['collectives'].values())}, {sum(dt['collectives'].values())}",
                 f"{sbp['max_rel_diff']:.1e}, {dt['max_rel_diff']:.1e}",
             ]
         )
         calls += [
-            [MODE_NAMES[mode], name, _fmt_collectives(r["collectives"])]
+            [harness.LAYOUT_NAMES[mode], name, _fmt_collectives(r["collectives"])]
             for name, r in (("sbp_torch", sbp), ("DTensor", dt))
         ]
         if mode == "dp_tp":
@@ -356,7 +334,8 @@ def report(rows: list[dict]) -> str:
     if plain:
         steps = len(plain["losses"])
         lines += [
-            f"One process (plain PyTorch, {_threads(plain['threads'])}): {_fmt_rate(plain['step'])} steps/s, "
+            f"One process (plain PyTorch, {harness.threads(plain['threads'])}): "
+            f"{harness.fmt_rate(plain['step'])} steps/s, "
             f"{harness.fmt(plain['step'], 'ms')} per step; its {steps} losses go from "
             f"{plain['losses'][0]:.4f} to {plain['losses'][-1]:.4f}.",
             "",
@@ -369,7 +348,7 @@ def report(rows: list[dict]) -> str:
             f"{LOSS_TOLERANCE:.0e}."
         )
         if plain:  # the one-process launch trained the same way, on its own thread count
-            worst = max(_relative_difference(r["losses"], plain["losses"]) for r in four)
+            worst = max(harness.relative_difference(r["losses"], plain["losses"]) for r in four)
             text += f" Against the one-process launch's own losses the largest is {worst:.1e}."
         lines += [text, ""]
     if verdict:
@@ -383,8 +362,8 @@ def report(rows: list[dict]) -> str:
         ]
     threads = statistics.mode(r["threads"] for r in four) if four else "?"
     lines += [
-        f"The 4 ranks use {_threads(threads)} each. Code measured: {rows[0]['code'] if rows else '?'}. "
-        f"{load_note(rows)}"
+        f"The 4 ranks use {harness.threads(threads)} each. Code measured: {rows[0]['code'] if rows else '?'}. "
+        f"{harness.load_note(rows)}"
     ]
     return "\n".join(lines)
 
@@ -399,7 +378,7 @@ def plot(rows: list[dict], path: str) -> None:
     modes = [m for m in MODES if ("sbp_torch", m) in by]
     fig, ax = plt.subplots(figsize=(7, 4))
     for i, (library, label) in enumerate((("sbp_torch", "sbp_torch"), ("dtensor", "DTensor"))):
-        rates = [_steps_per_second(by[(library, m)]["step"]) for m in modes]
+        rates = [harness.steps_per_second(by[(library, m)]["step"]) for m in modes]
         xs = [j + (i - 0.5) * 0.38 for j in range(len(modes))]
         bars = ax.bar(
             xs,
@@ -413,12 +392,12 @@ def plot(rows: list[dict], path: str) -> None:
     plain = by.get(("plain", "one process"))
     if plain:
         ax.axhline(
-            _steps_per_second(plain["step"])[0],
+            harness.steps_per_second(plain["step"])[0],
             color="gray",
             linestyle="--",
-            label=f"one process ({_steps_per_second(plain['step'])[0]:.0f})",
+            label=f"one process ({harness.steps_per_second(plain['step'])[0]:.0f})",
         )
-    ax.set_xticks(range(len(modes)), [MODE_NAMES[m] for m in modes])
+    ax.set_xticks(range(len(modes)), [harness.LAYOUT_NAMES[m] for m in modes])
     ax.set_yscale("log")  # one process is far above the 4 ranks that share its cores
     ax.set_ylim(top=ax.get_ylim()[1] * 10)  # room for the legend above everything
     ax.set_ylabel("training steps per second (median, quartiles)")

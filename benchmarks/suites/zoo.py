@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -53,15 +52,12 @@ from torch.distributed.tensor.experimental import implicit_replication
 
 import sbp_torch as st
 from benchmarks import harness
-from benchmarks.suites.optimizer import code_state, load_note, timed_interleaved
-from benchmarks.suites.train import _fmt_rate, _relative_difference, _threads
 from sbp_torch._api._module import sbp_for
 from sbp_torch.sbp import Broadcast, Partial, Split, broadcast
 from zoo import dense
 
 TITLE = "Model zoo: training steps of Hugging Face models with sbp_torch, DTensor and one process"
 WORLDS = [1, 4]
-LAYOUT_NAMES = {"dp": "DP (4)", "tp": "TP (4)", "2d": "DP x TP (2x2)"}
 STEPS, QUICK_STEPS = (3, 10), (2, 4)  # (warm-up, timed) steps per variant
 QUICK_MODELS = 2  # the first models of the zoo, with --quick
 # Rows per batch: even over the 4 data-parallel ranks and the 2 rows of the grid, as a tuned data-parallel run is.
@@ -83,44 +79,6 @@ def _placements(sbp: tuple) -> list:
         raise TypeError(f"no DTensor placement for {s!r}")
 
     return [one(s) for s in sbp]
-
-
-def _first_line(err: BaseException) -> str:
-    """The error's type and first line, and the innermost frame outside torch that raised it (model code)."""
-    text = str(err).strip().splitlines()
-    frames = [f for f in traceback.extract_tb(err.__traceback__) if f"{os.sep}torch{os.sep}" not in f.filename]
-    if not frames:
-        where = ""
-    elif os.path.abspath(frames[-1].filename) == os.path.abspath(__file__):  # in the step itself: say which call
-        where = f" (in `{frames[-1].line}`)"
-    else:
-        where = f" (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno})"
-    return f"{type(err).__name__}: {text[0] if text else ''}".strip() + where
-
-
-class _Guarded:
-    """A training step that stops at its first exception: the error is kept and later calls do nothing."""
-
-    def __init__(self, make_step):
-        self.error: str | None = None
-        self.losses: list[float] = []
-        try:
-            self.step = make_step()
-        except Exception as err:
-            self.error = _first_line(err)
-
-    def __call__(self, batch: dict) -> None:
-        if self.error is None:
-            try:
-                self.losses.append(self.step(batch))
-            except Exception as err:
-                self.error = _first_line(err)
-
-    def agree(self) -> None:
-        """Make every rank see a failure of any rank (the message of the lowest rank that failed)."""
-        errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, self.error)
-        self.error = next((e for e in errors if e is not None), None)
 
 
 def _step(model: nn.Module, lay_out_batch=lambda t: t):
@@ -179,33 +137,12 @@ def _dtensor_step(zoo_model, layout, mesh: DeviceMesh):
 
 def _train_plain(zoo_model, batches, warmup: int, repeats: int) -> tuple[dict, list[float]]:
     step, feed, losses = _step(dense.make(zoo_model)), iter(batches), []
-    stats = timed_interleaved({"plain": lambda: losses.append(step(next(feed)))}, repeats, warmup)
+    stats = harness.timed_interleaved({"plain": lambda: losses.append(step(next(feed)))}, repeats, warmup)
     return stats["plain"], losses
 
 
-def _train_parallel(
-    steps: dict[str, _Guarded], batches, warmup: int, repeats: int
-) -> dict[str, tuple[dict | None, _Guarded]]:
-    """Warm up and time the guarded steps, taking turns; a variant that fails on any rank drops out (no time)."""
-    feeds = {name: iter(batches) for name in steps}
-    for guarded in steps.values():
-        guarded.agree()
-    for _ in range(warmup):  # by hand, to agree on failures after each step
-        for name, guarded in steps.items():
-            if guarded.error is None:
-                guarded(next(feeds[name]))
-                guarded.agree()
-    running = {name: guarded for name, guarded in steps.items() if guarded.error is None}
-    stats = timed_interleaved(
-        {name: (lambda g=guarded, f=feeds[name]: g(next(f))) for name, guarded in running.items()}, repeats, 0
-    )
-    for guarded in running.values():
-        guarded.agree()
-    return {name: (stats.get(name) if guarded.error is None else None, guarded) for name, guarded in steps.items()}
-
-
 def measure(world: int, quick: bool) -> list[dict]:
-    code = code_state()  # at the start: the code this process imported
+    code = harness.code_state()  # at the start: the code this process imported
     warmup, repeats = QUICK_STEPS if quick else STEPS
     models = dense.ZOO[:QUICK_MODELS] if quick else dense.ZOO
     rows = []
@@ -235,10 +172,10 @@ def measure(world: int, quick: bool) -> list[dict]:
         want, _ = dense.train(dense.make(zoo_model), batches)
         for layout in dense.LAYOUTS:
             steps = {
-                "sbp_torch": _Guarded(lambda: _step(*dense.lay_out(zoo_model, layout))),
-                "dtensor": _Guarded(lambda: _dtensor_step(zoo_model, layout, meshes[layout.name])),
+                "sbp_torch": harness.Guarded(lambda: _step(*dense.lay_out(zoo_model, layout)), __file__),
+                "dtensor": harness.Guarded(lambda: _dtensor_step(zoo_model, layout, meshes[layout.name]), __file__),
             }
-            for library, (stats, guarded) in _train_parallel(steps, batches, warmup, repeats).items():
+            for library, (stats, guarded) in harness.train_in_turns(steps, batches, warmup, repeats).items():
                 ok = guarded.error is None
                 rows.append(
                     {
@@ -249,7 +186,7 @@ def measure(world: int, quick: bool) -> list[dict]:
                         "step": stats,
                         "error": guarded.error,
                         "losses": guarded.losses,
-                        "max_rel_diff": _relative_difference(guarded.losses, want) if ok else None,
+                        "max_rel_diff": harness.relative_difference(guarded.losses, want) if ok else None,
                         "threads": torch.get_num_threads(),
                         "code": code,
                         "load": os.getloadavg()[0],
@@ -271,13 +208,7 @@ def _cell(row: dict | None) -> str:
         return "—"
     if row["error"] is not None:
         return "fails: " + row["error"].replace("|", "\\|")
-    return _fmt_rate(row["step"])
-
-
-def _ratio(sbp: dict | None, dt: dict | None) -> str:
-    if not sbp or not dt or not sbp["step"] or not dt["step"]:
-        return "—"
-    return f"{dt['step']['median_us'] / sbp['step']['median_us']:.2f}x"
+    return harness.fmt_rate(row["step"])
 
 
 def _diff(row: dict | None) -> str:
@@ -299,18 +230,18 @@ def report(rows: list[dict]) -> str:
     table, ratios = [], []
     for model in models:
         plain = by.get((model, "plain", "one process"))
-        for layout in LAYOUT_NAMES:
+        for layout in (lay.name for lay in dense.LAYOUTS):
             sbp, dt = by.get((model, "sbp_torch", layout)), by.get((model, "dtensor", layout))
             if not sbp and not dt:
                 continue
             table.append(
                 [
                     model,
-                    LAYOUT_NAMES[layout],
-                    _fmt_rate(plain["step"]) if plain else "—",
+                    harness.LAYOUT_NAMES[layout],
+                    harness.fmt_rate(plain["step"]) if plain else "—",
                     _cell(sbp),
                     _cell(dt),
-                    _ratio(sbp, dt),
+                    harness.rate_ratio(sbp, dt),
                     f"{_diff(sbp)}, {_diff(dt)}",
                 ]
             )
@@ -347,14 +278,14 @@ def report(rows: list[dict]) -> str:
             f"recomputed in each rank of the 4-rank launch) over all {steps} steps, warm-up included."
         )
         plain = {r["model"]: r["losses"] for r in rows if r["library"] == "plain"}
-        own = [_relative_difference(r["losses"], plain[r["model"]]) for r in ran if r["model"] in plain]
+        own = [harness.relative_difference(r["losses"], plain[r["model"]]) for r in ran if r["model"] in plain]
         if own:  # the one-process launch trained the same way, timed
             text += f" Against the one-process launch's own losses the largest is {max(own):.1e}."
         lines += [text, ""]
     threads = statistics.mode(r["threads"] for r in four) if four else "?"
     plain_threads = [r["threads"] for r in rows if r["library"] == "plain"]
     lines += [
-        f"One process runs {_threads(plain_threads[0]) if plain_threads else '?'}, the 4 ranks "
-        f"{_threads(threads)} each. Code measured: {rows[0]['code'] if rows else '?'}. {load_note(rows)}"
+        f"One process runs {harness.threads(plain_threads[0]) if plain_threads else '?'}, the 4 ranks "
+        f"{harness.threads(threads)} each. Code measured: {rows[0]['code'] if rows else '?'}. {harness.load_note(rows)}"
     ]
     return "\n".join(lines)
