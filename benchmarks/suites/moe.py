@@ -33,7 +33,6 @@ bytes within 1.1x and step time within 1.1x of ``hand EP``; losses within 1e-5 o
 from __future__ import annotations
 
 import collections
-import time
 
 import torch
 import torch.distributed as dist
@@ -220,24 +219,15 @@ def measure(world: int, quick: bool) -> list[dict]:
         want = _reference_losses(name, batches)
         steps = {v: _variant(name, v) for v in VARIANTS}
         losses = {v: [step(step.prepare(b)) for b in batches] for v, step in steps.items()}  # and warm-up
-        for _ in range(warmup):
-            for step in steps.values():
-                step(step.prepare(batches[0]))
-        samples = {v: [] for v in VARIANTS}
-        for _ in range(rounds):
-            for v, step in steps.items():
-                batch = step.prepare(batches[0])
-                dist.barrier()
-                start = time.perf_counter_ns()
-                step(batch)
-                elapsed = torch.tensor([(time.perf_counter_ns() - start) / 1e3], dtype=torch.float64)
-                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-                samples[v].append(elapsed.item())
+        prepared = {v: step.prepare(batches[0]) for v, step in steps.items()}  # laid out before the clock
+        times = harness.timed_interleaved(
+            {v: (lambda step=step, batch=prepared[v]: step(batch)) for v, step in steps.items()}, rounds, warmup
+        )
         for v, step in steps.items():
             kinds, nbytes = _sent(step)
             rows.append({
-                "model": name, "variant": v, "time": harness.summary(samples[v]), "collectives": kinds,
-                "bytes": nbytes, "loss_difference": max(abs(a - b) / abs(b) for a, b in zip(losses[v], want)),
+                "model": name, "variant": v, "time": times[v], "collectives": kinds,
+                "bytes": nbytes, "loss_difference": harness.relative_difference(losses[v], want),
             })  # fmt: skip
     return rows
 
