@@ -1,7 +1,8 @@
 """``*_like`` and ``new_*`` ops on global tensors (``_signatures/factory.py``) against plain torch.
 
 The input's layout is taken as it is: splits are kept by ``*_like`` (and by ``new_*`` of the input's own
-shape), broadcast and partial inputs give broadcast outputs, and ``new_*`` of another size is broadcast.
+shape), broadcast and partial inputs give broadcast outputs, and ``new_*`` of another size keeps the splits of
+dims that keep their index and size, and is broadcast elsewhere.
 All of it runs in strict mode (no fallback), including the backward of a partial scalar loss, whose first
 gradient is ``ones_like(loss)``.
 """
@@ -27,7 +28,8 @@ def _x(*shape, seed=0):
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
 
-LIKE, BROADCAST = "like", "broadcast"  # expected output: the input's layout with partials made B, or all B
+# expected output: the input's layout with partials made B; or its splits of dims the output keeps, B elsewhere
+LIKE, KEPT = "like", "kept"
 
 
 def cases() -> list:
@@ -38,12 +40,13 @@ def cases() -> list:
         ("ones_like", torch.ones_like, x, LIKE),
         ("full_like", lambda a: torch.full_like(a, 2.5, dtype=torch.float32), x, LIKE),
         ("empty_like", lambda a: torch.empty_like(a).zero_(), x, LIKE),
-        ("new_zeros", lambda a: a.new_zeros(3, 4), x, BROADCAST),
+        ("new_zeros", lambda a: a.new_zeros(3, 4), x, KEPT),
         ("new_ones own shape", lambda a: a.new_ones(5, 7), x, LIKE),
-        ("new_full", lambda a: a.new_full((2, 7), 3.0), x, BROADCAST),
+        ("new_full", lambda a: a.new_full((2, 7), 3.0), x, KEPT),
         ("new_empty own shape", lambda a: a.new_empty(5, 7).fill_(1.0), x, LIKE),
         ("new_empty_strided", lambda a: a.new_empty_strided((5, 7), (7, 1)).zero_(), x, LIKE),
-        ("new_empty_strided other", lambda a: a.new_empty_strided((7,), (1,)).zero_(), x, BROADCAST),
+        ("new_empty_strided other", lambda a: a.new_empty_strided((7,), (1,)).zero_(), x, KEPT),
+        ("new_empty rows kept", lambda a: a.new_empty(5, 3).fill_(1.0), x, KEPT),
     ]
 
 
@@ -58,7 +61,13 @@ def factory_body(ranks):
         for name, fn, x, expected in cases():
             for sbp in layouts:
                 like = tuple(B if isinstance(s, Partial) else s for s in sbp)
-                expect = like if expected == LIKE else (B,) * p.ndim
+                out_shape = fn(x).shape
+                kept = tuple(
+                    s if isinstance(s, type(S(0))) and s.dim < len(out_shape) and out_shape[s.dim] == x.shape[s.dim]
+                    else B
+                    for s in sbp
+                )  # fmt: skip
+                expect = like if expected == LIKE else kept
                 try:
                     check_op(fn, [x], p, [sbp], backward=False, expect_sbp=expect)
                 except Exception as err:

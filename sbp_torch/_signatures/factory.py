@@ -6,9 +6,11 @@ The input's values are never read, so any layout of it is accepted as it is (no 
   part); a broadcast or partial input gives a broadcast output: every rank holds the whole constant (so
   ``ones_like`` of a partial scalar loss, autograd's first gradient, is a broadcast one).
 * ``new_zeros``, ``new_ones``, ``new_empty``, ``new_full``, ``new_empty_strided`` make a tensor of the size
-  they are given: broadcast, or, when that size is the input's shape, laid out like the input (autograd's
-  ``new_empty_strided`` then ``copy_`` of a split gradient stays local). The split variant runs through a
-  local function that passes the local size (and contiguous local strides).
+  they are given: when that size is the input's shape, laid out like the input (autograd's
+  ``new_empty_strided`` then ``copy_`` of a split gradient stays local); else split where the input is split
+  along a dim that keeps its index and size (a buffer of the same rows that the rows' parts are then copied
+  into, as DeepSeek's attention builds its keys), broadcast otherwise. The split variants run through a local
+  function that passes the local size (and contiguous local strides).
 
 Factories without a tensor argument (``zeros``, ``empty_strided``, ``scalar_tensor``, ...) never reach a
 global tensor's dispatch: ``sbp_torch.zeros`` and friends create global tensors.
@@ -47,4 +49,8 @@ def new(call: OpCall) -> list[Signature]:
     x, out = call["self"], call.outputs[0]
     if out.shape == x.shape:
         return like_input(call, "local_size")
-    return [sig(B, self=S(d)) for d in range(x.ndim)] + [sig(B, self=s) for s in (B, *PARTIALS)]
+    kept = [d for d in range(x.ndim) if d < out.ndim and out.shape[d] == x.shape[d]]
+    split = [sig(S(d), self=S(d), local_fn="local_size") for d in kept]
+    return (
+        split + [sig(B, self=S(d)) for d in range(x.ndim) if d not in kept] + [sig(B, self=s) for s in (B, *PARTIALS)]
+    )
