@@ -1,6 +1,6 @@
 """Mixture-of-experts training against one process, on 4 gloo ranks.
 
-Unmodified ``transformers`` Mixtral and Qwen3-MoE (``zoo/moe.py``, top-2 routing) train five AdamW steps
+Unmodified ``transformers`` Mixtral, Qwen3-MoE and DeepSeek-V3 (``zoo/moe.py``, top-2 routing) train five AdamW steps
 in data parallelism (experts broadcast: routing stays on each rank), expert parallelism (experts split over the 4
 ranks: tokens travel by all-to-all) and both on a 2x2 grid; the losses and the last gradients must equal one
 process's. Each layout's collectives are counted: data parallelism issues only the loss's and the gradients'
@@ -72,7 +72,8 @@ def _train_job(name, implementation, layout, rows):
         (c.kind, c.backward, "expert" if "expert parallelism" in c.cause else "") for c in found
     )
     gathered = [c.cause for c in found if "gather" in c.kind and c.cause.startswith("aten.")]  # an op's inputs
-    return worst, grad_error, dict(kinds), gathered
+    layers = sum(hasattr(m, "_is_expert_parallel") for m in model.modules())
+    return worst, grad_error, dict(kinds), gathered, layers
 
 
 CASES = [
@@ -84,17 +85,18 @@ CASES = [
     ("qwen3_moe", "grouped_mm", "EP"),
     ("qwen3_moe", "eager", "DP x EP"),
     ("mixtral", "grouped_mm", "sharded DP x EP"),  # parameters stored split over the data axis, gathered per block
+    ("deepseek_v3", "grouped_mm", "DP"),
+    ("deepseek_v3", "grouped_mm", "EP"),
 ]
 
 
 @pytest.mark.parametrize("name, implementation, layout", CASES)
 def test_moe_trains_like_one_process(name, implementation, layout):
     # 8 rows: every rank holds 2 sequences; the routing leaves some experts without tokens on some ranks
-    for worst, grad_error, kinds, gathered in run_on_world(4, _train_job, name, implementation, layout, 8):
+    for worst, grad_error, kinds, gathered, layers in run_on_world(4, _train_job, name, implementation, layout, 8):
         assert worst < 1e-5, worst
         assert grad_error < 1e-4, grad_error
         assert not gathered, gathered  # neither routing nor an expert weight is gathered for an op
-        layers = 2
         if layout == "DP":
             assert set(k for k, _, _ in kinds) == {"all-reduce(sum)"}, kinds
         else:  # counts, dispatch and combine forward; the reverse of dispatch and combine backward

@@ -1,7 +1,10 @@
-"""Mixture-of-experts models for the MoE test and benchmark: unmodified ``transformers`` Mixtral and Qwen3-MoE in tiny
-configs (random weights, nothing downloaded, top-2 routing), and the layouts they are trained in on 4 ranks.
+"""Mixture-of-experts models for the MoE test and benchmark: unmodified ``transformers`` Mixtral, Qwen3-MoE and
+DeepSeek-V3 in tiny configs (random weights, nothing downloaded, top-2 routing), and the layouts they are trained in
+on 4 ranks.
 
-Qwen3-MoE has 6 experts, so that 4 ranks hold uneven numbers of them (2, 2, 1, 1); Mixtral has 4. ``implementation``
+Qwen3-MoE has 6 experts, so that 4 ranks hold uneven numbers of them (2, 2, 1, 1); Mixtral has 4. DeepSeek-V3 has
+4 routed experts in 2 groups (the router keeps the best group per token), a shared expert, latent attention, and a
+dense first layer, so one of its two layers is an MoE layer. ``implementation``
 picks the experts' code in ``transformers``: ``"grouped_mm"`` (its default: tokens sorted by expert, one grouped
 matmul) or ``"eager"`` (a Python loop over the experts that received tokens)."""
 
@@ -35,7 +38,24 @@ def _qwen3_moe(implementation: str) -> torch.nn.Module:
     return tf.Qwen3MoeForCausalLM(config)
 
 
-MODELS: dict[str, Callable[[str], torch.nn.Module]] = {"mixtral": _mixtral, "qwen3_moe": _qwen3_moe}
+def _deepseek_v3(implementation: str) -> torch.nn.Module:
+    import transformers as tf
+
+    config = tf.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=2,
+        topk_group=1, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4,
+        qk_nope_head_dim=4, v_head_dim=8, max_position_embeddings=64, attention_dropout=0.0,
+    )  # fmt: skip
+    config._experts_implementation = implementation
+    return tf.DeepseekV3ForCausalLM(config)
+
+
+MODELS: dict[str, Callable[[str], torch.nn.Module]] = {
+    "mixtral": _mixtral,
+    "qwen3_moe": _qwen3_moe,
+    "deepseek_v3": _deepseek_v3,
+}
 
 
 def make(name: str, implementation: str = "grouped_mm", dtype: torch.dtype = torch.float32) -> torch.nn.Module:

@@ -1,6 +1,6 @@
 """Mixture of experts on 4 CPU ranks: what one training step sends and how long it takes, for unmodified
-``transformers`` Mixtral and Qwen3-MoE (``zoo/moe.py``: top-2 routing, 4 and 6 experts, their default
-``grouped_mm`` experts code) laid out by sbp_torch, beside a hand-written expert-parallel program.
+``transformers`` Mixtral, Qwen3-MoE and DeepSeek-V3 (``zoo/moe.py``: top-2 routing, 4, 6 and 4 experts, their
+default ``grouped_mm`` experts code) laid out by sbp_torch, beside a hand-written expert-parallel program.
 
 Variants (the same initial weights and batches; 8 sequences of 32 tokens, 2 per rank):
 
@@ -44,7 +44,7 @@ from sbp_torch._api._explain import Explanation, recorder
 from sbp_torch._layout import balanced_part
 from zoo import moe
 
-TITLE = "Mixture of experts: data, expert and 2-D parallel Mixtral and Qwen3-MoE beside hand-written expert parallelism"
+TITLE = "Mixture of experts: data, expert and 2-D parallel MoE models beside hand-written expert parallelism"
 WORLDS = [4]
 ROWS, SEQ = 8, 32
 VARIANTS = ["DP", "EP", "DP x EP", "hand DP", "hand EP"]
