@@ -30,7 +30,7 @@ from torch._subclasses.fake_tensor import is_fake
 from .. import _comm as comm
 from .._layout import Broadcast, GlobalMeta, Placement, Split, broadcast, partial_sum
 from .._tensor import GlobalTensor
-from ._local_map import global_slots, run_locally
+from ._local_map import global_slots, run_locally, zero_reaching
 
 
 @dataclass(frozen=True)
@@ -92,8 +92,7 @@ class ExpertsRegion:
         experts held here."""
         # Every rank's graph reaches the rows (so the exchange's backward runs on every rank) and every weight,
         # whatever arrived: eager code starts from zeros and skips the experts that received nothing.
-        anchors = [rows, *(t for t in self.module.parameters() if t.requires_grad)]
-        zero = sum(t.reshape(-1)[:0].sum().to(rows.dtype) for t in anchors)
+        zero = zero_reaching([rows, *(t for t in self.module.parameters() if t.requires_grad)]).to(rows.dtype)
         if count == 0:  # no expert here: nothing arrives
             return rows * 0 + zero
         kept = getattr(self.module, self.kind.count)

@@ -68,10 +68,14 @@ def _input_gradient_sbp(sbp: tuple, divided: tuple[bool, ...], what: str) -> tup
     return tuple(out)
 
 
+def _differentiable(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
 def _check_output(out: torch.Tensor, sbp: tuple, divided: tuple[bool, ...], what: str) -> None:
     """Refuse a floating output declared broadcast where the region computes per rank (called when some input
     needs a gradient, which every rank knows alike)."""
-    if not (out.is_floating_point() or out.is_complex()):
+    if not _differentiable(out):
         return
     for axis, s in enumerate(sbp):
         if divided[axis] and isinstance(s, Broadcast):
@@ -88,12 +92,18 @@ def _local_part(x: GlobalTensor, divided: tuple[bool, ...], what: str) -> torch.
     return to_local(x, grad_sbp=_input_gradient_sbp(x.sbp, divided, what))
 
 
+def zero_reaching(tensors) -> torch.Tensor:
+    """A zero that depends on each of ``tensors`` (the sum of none of their elements): added to a result, it makes
+    backward reach every one of them, with a zero gradient where nothing else reads it."""
+    return sum(t.reshape(-1)[:0].sum() for t in tensors)
+
+
 def _reaching_every_input(outputs: list, needing: list[torch.Tensor]) -> list:
-    """``outputs`` with each floating one made to depend on every input in ``needing`` (by a zero of no elements):
-    whether an output needs a gradient, and which inputs backward reaches from it, are then the same on every
-    rank, whatever the function read on each."""
-    zero = sum(t.reshape(-1)[:0].sum() for t in needing)
-    return [out + zero.to(out.dtype) if out.is_floating_point() or out.is_complex() else out for out in outputs]
+    """``outputs`` with each floating one made to depend on every input in ``needing``: whether an output needs a
+    gradient, and which inputs backward reaches from it, are then the same on every rank, whatever the function
+    read on each."""
+    zero = zero_reaching(needing)
+    return [out + zero.to(out.dtype) if _differentiable(out) else out for out in outputs]
 
 
 class _Swapped:
@@ -201,7 +211,7 @@ def _out_sbps(out_sbps, placement: Placement) -> list:
         isinstance(out_sbps, tuple) and len(out_sbps) == placement.ndim and all(isinstance(s, kinds) for s in out_sbps)
     )
     listed = [out_sbps] if single else list(out_sbps)
-    return [(s,) * placement.ndim if isinstance(s, (Split, Broadcast, Partial)) else tuple(s) for s in listed]
+    return [(s,) * placement.ndim if isinstance(s, kinds) else tuple(s) for s in listed]
 
 
 def local_map(fn, in_sbps, out_sbps, *, out_shapes=None):
