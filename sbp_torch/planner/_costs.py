@@ -126,18 +126,13 @@ H100 = CostModel(
     memory_per_rank=80e9,
     optimizer_foreach=True,
 )
-A100 = CostModel(
+A100 = replace(
+    H100,  # the same node shape, host overhead and overlap; slower chips and links
     name="A100 SXM node (NVLink 3, 200 Gb/s InfiniBand per GPU)",
     flops={"half": 312e12, "float": 19.5e12},
     memory_bandwidth=2.0e12,
-    efficiency=0.6,
-    op_overhead_s=3e-5,
     intra=Link(2e-6, 2.4e11),
     inter=Link(5e-6, 2.25e10),
-    ranks_per_node=8,
-    overlap=0.8,
-    memory_per_rank=80e9,
-    optimizer_foreach=True,
 )
 # CPU ranks on one host talking gloo over loopback, as on the development machines: a rough default; calibrate
 # for numbers that fit the machine at hand.
