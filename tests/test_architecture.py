@@ -15,13 +15,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "sbp_torch"
-LINE_BUDGET = 14200  # lines of Python in sbp_torch/, blank lines and docstrings included; raised only for a feature
+LINE_BUDGET = 14700  # lines of Python in sbp_torch/, blank lines and docstrings included; raised only for a feature
 
 # module -> the modules it may import inside a function: optional or heavy, needed by one rarely used path
 LATE_IMPORTS = {
     "sbp_torch/kernels/_extension.py": {"torch", "torch.utils.cpp_extension"},  # setup.py reads it without torch
     "sbp_torch/pipeline/_timeline.py": {"matplotlib", "matplotlib.pyplot"},  # an optional dependency
     "sbp_torch/_api/_gradient_reducer.py": {"torch._inductor.config"},  # slow; needed once a model is laid out
+    "sbp_torch/_api/_compile_step.py": {"torch._dynamo", "torch._inductor.config"},  # slow; once a step compiles
     # slow (Dynamo, Inductor); needed once a program compiles
     "sbp_torch/_comm/_compiled.py": {
         "torch._dynamo.callback",

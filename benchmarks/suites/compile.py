@@ -13,9 +13,8 @@ reduce-scatter bucketing passes are on for every variant. Each step's loss is co
 single-process training. The first step of a compiled variant includes its compilation: its time is reported
 as the compile time (slowest rank). The variants of a mode take turns, one step each per round.
 
-Targets (the issue): compiled sbp_torch at least 2x eager sbp_torch, at least 1.2x compiled DTensor and
-within 1.1x of the compiled hand-written program in steps/s; its compile time at most 1.5x the hand-written
-program's.
+Targets (issue #29): the compiled step at least 1.2x compiled DTensor and at least 0.91x the compiled
+hand-written program in steps/s.
 """
 
 from __future__ import annotations
@@ -30,6 +29,7 @@ import torch._functorch.config
 import torch._inductor.config
 import torch.distributed as dist
 
+import sbp_torch as st
 from benchmarks import harness
 from benchmarks.suites import train
 from benchmarks.suites.handwritten_gpt import handwritten_step
@@ -37,7 +37,15 @@ from benchmarks.suites.handwritten_gpt import handwritten_step
 TITLE = "Compiled training steps: the GPT example under torch.compile, sbp_torch and DTensor"
 WORLDS = [4]
 MODES = train.MODES
-VARIANTS = ["sbp_torch eager", "sbp_torch compiled", "DTensor eager", "DTensor compiled", "hand-written compiled"]
+VARIANTS = [
+    "sbp_torch eager",
+    "sbp_torch compiled",
+    "sbp_torch compile_step",
+    "DTensor eager",
+    "DTensor compiled",
+    "hand-written compiled",
+]
+WHOLE = "sbp_torch compile_step"  # its first call runs eagerly, its second compiles: both are its "first step"
 
 
 class _CompiledSteps:
@@ -69,11 +77,34 @@ def _handwritten(gpt, model, mode):
     return step
 
 
-def _first_step_seconds(step, batch) -> float:
-    """The time of one step, slowest rank (for a compiled model: its compilation and first run)."""
+def _whole_step(gpt, model, mode):
+    """The step as one program: ``sbp_torch.compile_step`` with Inductor, the batch laid out inside it."""
+    placement, plan, batch_sbp = gpt.plans(dist.get_world_size())[mode]
+    model.to_global(placement, plan)
+    optimizer = gpt.make_optimizer(model)
+    replicated = (st.sbp.broadcast,) * placement.ndim
+
+    def layout(t):
+        return t.to_global(placement, replicated, check_meta=False).to_global(sbp=batch_sbp)
+
+    @st.compile_step(model=model, optimizer=optimizer, backend="inductor")
+    def step(idx, targets):
+        loss = model(layout(idx), layout(targets))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    return lambda idx, targets: step(idx, targets).item()
+
+
+def _first_step_seconds(step, *batches) -> float:
+    """The time of the first steps (one per batch), slowest rank (for a compiled model: its compilation and first
+    run)."""
     dist.barrier()
     start = time.perf_counter()
-    step(*batch)
+    for batch in batches:
+        step(*batch)
     took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
     dist.all_reduce(took, op=dist.ReduceOp.MAX)
     return float(took)
@@ -88,7 +119,7 @@ def measure(world: int, quick: bool) -> list[dict]:
     code = harness.code_state()
     gpt = harness.load_gpt_example()
     warmup, repeats = (2, 8) if quick else (5, 30)
-    first, *batches = gpt.batches(warmup + repeats + 1)
+    first, *batches = gpt.batches(warmup + repeats + 2)
     torch.manual_seed(0)
     initial = gpt.GPT()
     reference = copy.deepcopy(initial)
@@ -101,6 +132,7 @@ def measure(world: int, quick: bool) -> list[dict]:
         steps = {
             "sbp_torch eager": train.sbp_torch_step(gpt, copy.deepcopy(initial), mode),
             "sbp_torch compiled": _compiled(lambda g, m: train.sbp_torch_step(g, m, mode), gpt, copy.deepcopy(initial)),
+            WHOLE: _whole_step(gpt, copy.deepcopy(initial), mode),
             "DTensor eager": dtensor(gpt, copy.deepcopy(initial)),
             "DTensor compiled": _compiled(dtensor, gpt, copy.deepcopy(initial)),
             "hand-written compiled": _handwritten(gpt, copy.deepcopy(initial), mode),
@@ -109,11 +141,12 @@ def measure(world: int, quick: bool) -> list[dict]:
         first_step = {}
         for name, step in steps.items():
             try:
-                first_step[name] = _first_step_seconds(lambda *b, s=step, n=name: losses[n].append(s(*b)), first)
+                firsts = (first, batches[0]) if name == WHOLE else (first,)
+                first_step[name] = _first_step_seconds(lambda *b, s=step, n=name: losses[n].append(s(*b)), *firsts)
             except Exception as err:  # a library that cannot compile this mode: reported, not timed
                 first_step[name] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
         runnable = {n: s for n, s in steps.items() if not isinstance(first_step[n], str)}
-        feeds = {n: iter(batches) for n in runnable}
+        feeds = {n: iter(batches[1:] if n == WHOLE else batches) for n in runnable}
         calls = {n: (lambda n=n, s=s: losses[n].append(s(*next(feeds[n])))) for n, s in runnable.items()}
         stats = harness.timed_interleaved(calls, repeats, warmup)
         for name in steps:
@@ -144,19 +177,23 @@ def report(rows: list[dict]) -> str:
     table, compile_rows, errors = [], [], []
     for mode in MODES:
         row = [harness.LAYOUT_NAMES[mode]] + [harness.fmt_rate(by.get((mode, v), {}).get("step")) for v in VARIANTS]
-        sbp_c, sbp_e, dt_c, floor = (
+        sbp_c, sbp_e, whole, dt_c, floor = (
             by.get((mode, v))
-            for v in ("sbp_torch compiled", "sbp_torch eager", "DTensor compiled", "hand-written compiled")
+            for v in ("sbp_torch compiled", "sbp_torch eager", WHOLE, "DTensor compiled", "hand-written compiled")
         )
         row += [harness.rate_ratio(sbp_c, sbp_e), harness.rate_ratio(sbp_c, dt_c), harness.rate_ratio(sbp_c, floor)]
+        row += [harness.rate_ratio(whole, dt_c), harness.rate_ratio(whole, floor)]
         table.append(row)
         compile_rows.append(
             [harness.LAYOUT_NAMES[mode]]
             + [
                 f"{by[(mode, v)]['first_step_s']:.1f}" if "step" in by.get((mode, v), {}) else "—"
-                for v in ("sbp_torch compiled", "DTensor compiled", "hand-written compiled")
+                for v in ("sbp_torch compiled", WHOLE, "DTensor compiled", "hand-written compiled")
             ]
-            + [_compile_ratio(by.get((mode, "sbp_torch compiled")), by.get((mode, "hand-written compiled")))]
+            + [
+                _compile_ratio(by.get((mode, v)), by.get((mode, "hand-written compiled")))
+                for v in ("sbp_torch compiled", WHOLE)
+            ]
             + [", ".join(f"{by[(mode, v)]['max_rel_diff']:.1e}" for v in VARIANTS if "step" in by.get((mode, v), {}))]
         )
         errors += [
@@ -167,25 +204,38 @@ def report(rows: list[dict]) -> str:
     lines = [
         "Steps per second of one training step of `examples/gpt.py` on 4 CPU ranks, median (quartiles), the "
         'slowest rank\'s; compiled = forward and backward through `torch.compile(..., backend="inductor", '
-        "fullgraph=True, dynamic=False)` and the optimizer step through `torch.compile`; hand-written = the "
-        "same model and collectives on plain tensors per rank (`benchmarks/suites/handwritten_gpt.py`). "
+        "fullgraph=True, dynamic=False)` and the optimizer step through `torch.compile`; compile_step = the whole "
+        "step (batch layout, forward, backward, AdamW) as one Inductor program by `sbp_torch.compile_step`; "
+        "hand-written = the same model and collectives on plain tensors per rank "
+        "(`benchmarks/suites/handwritten_gpt.py`), compiled as sbp_torch compiled is. "
         "Written by `benchmarks/suites/compile.py`.",
         "",
         harness.markdown_table(
-            ["mode", *VARIANTS, "sbp_torch compiled / eager", "/ DTensor compiled", "/ hand-written compiled"],
+            [
+                "mode",
+                *VARIANTS,
+                "sbp_torch compiled / eager",
+                "/ DTensor compiled",
+                "/ hand-written compiled",
+                "compile_step / DTensor compiled",
+                "/ hand-written compiled",
+            ],
             table,
         ),
         "",
-        "First step (compilation included, on-disk compile caches off), seconds, slowest rank; and the largest "
+        "First step (compilation included, on-disk compile caches off; for compile_step its first two steps, the "
+        "eager one and the one that traces and compiles), seconds, slowest rank; and the largest "
         "relative difference of each variant's losses from single-process training (in the order of the table):",
         "",
         harness.markdown_table(
             [
                 "mode",
                 "sbp_torch compiled",
+                "sbp_torch compile_step",
                 "DTensor compiled",
                 "hand-written compiled",
-                "sbp_torch / hand-written",
+                "sbp_torch compiled / hand-written",
+                "compile_step / hand-written",
                 "loss rel. diff",
             ],
             compile_rows,

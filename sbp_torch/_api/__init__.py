@@ -2,6 +2,7 @@
 caches' controls and DTensor interop. ``sbp_torch/__init__.py`` lists what users may rely on."""
 
 from ._caches import Caches, cache_clear, cache_info, set_cache_size
+from ._compile_step import CompiledStep, StepNotTraceable, compile_step
 from ._dtensor import from_dtensor, module_from_dtensor, module_to_dtensor, to_dtensor
 from ._explain import Collective, Explanation, explain
 from ._factories import arange, empty, full, ones, rand, randn, tensor, zeros

@@ -306,6 +306,35 @@ def agree_while_compiling(key, value) -> list:
     return compilation.agreed[key]
 
 
+@contextlib.contextmanager
+def tracing_program():
+    """Within the block, code is traced into a program outside ``torch.compile`` (``compile_step``): ``compiling()``
+    holds (collectives are functional ops, metadata is agreed once through the store), and torch's own code takes
+    its traceable paths (``torch.compiler.is_compiling()``: an optimizer reads no step count). The block's record
+    of agreed metadata ends with it."""
+    previous = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = previous
+        compilation, _compilation[0] = _compilation[0], None
+        if compilation is not None:
+            compilation.restore()
+
+
+def check_program(gm, what: str) -> None:
+    """Raise ``RanksDisagree`` on every rank if the collectives of the traced programs ``gm`` of the ranks of the
+    world differ (kind, group, sizes, order); ``what`` names the program in the message."""
+    world = tuple(range(dist.get_world_size()))
+    if len(world) < 2:
+        return
+    prints = _exchange("program", world, _collectives_of(gm), what=what)
+    problem = first_difference(dict(zip(world, prints)))
+    if problem is not None:
+        raise RanksDisagree(f"the ranks traced {what}s whose collectives differ, so they cannot run: {problem}")
+
+
 def _on_compile_end(args) -> None:
     if args.callback_trigger.name != "DYNAMO":  # (a lazy backward was traced with its forward)
         return

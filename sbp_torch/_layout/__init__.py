@@ -10,7 +10,7 @@ from ._meta import (
     partials_as_broadcast,
 )
 from ._placement import placement as Placement
-from ._random import random_region
+from ._random import device_draws_refused, random_region
 from ._sbp import (
     REDUCE_OPS,
     Broadcast,

@@ -5,6 +5,7 @@
 * CUDA: counter-based Philox keyed by the device generator's seed, counting from its offset: each rank computes
   just its region, then every rank advances the offset by the counters of the whole tensor."""
 
+import contextlib
 import math
 
 import torch
@@ -13,6 +14,18 @@ from . import _philox
 from ._meta import narrow_to
 
 _TORCH_DRAW = {"normal": torch.randn, "uniform": torch.rand}
+_DEVICE_DRAWS_REFUSED = [False]
+
+
+@contextlib.contextmanager
+def device_draws_refused():
+    """Within the block, a draw on a CUDA device raises: its generator's seed and offset are read in Python, and a
+    program traced here would replay the same values on every call."""
+    _DEVICE_DRAWS_REFUSED[0] = True
+    try:
+        yield
+    finally:
+        _DEVICE_DRAWS_REFUSED[0] = False
 
 
 def random_region(kind: str, shape: tuple[int, ...], dtype: torch.dtype, starts, lengths, device) -> torch.Tensor:
@@ -24,6 +37,11 @@ def random_region(kind: str, shape: tuple[int, ...], dtype: torch.dtype, starts,
     if device.type == "cpu":
         full = _TORCH_DRAW[kind](shape, dtype=dtype)
         return None if starts is None else narrow_to(full, starts, lengths)
+    if _DEVICE_DRAWS_REFUSED[0]:
+        raise NotImplementedError(
+            "random global tensors on CUDA cannot be drawn inside compile_step: the traced program would replay "
+            "the same values every call; draw them outside the step and pass them in"
+        )
     generator = torch.cuda.default_generators[device.index if device.index is not None else 0]
     seed, offset = generator.initial_seed(), generator.get_offset()
     used = _philox.counters_used(math.prod(shape))

@@ -1,0 +1,400 @@
+"""``compile_step``: a whole training step traced once into one program on this rank's parts, then compiled.
+
+A step (forward, loss, backward, ``optimizer.step()``) on global tensors is traced by ``make_fx`` on fake parts:
+every op goes through the dispatcher once, which leaves the local ops and the collectives it decided, and nothing
+of sbp_torch, in the graph. The graph's inputs are plain tensors, in a fixed order:
+
+* the learning rate of each parameter group of an optimizer with a ``capturable`` option (Adam, AdamW, ...), as a
+  0-dim tensor, so a scheduler changes it without a new trace;
+* the *state*: each parameter's part, its gradient's part, each module buffer and each optimizer state entry
+  (a global one's part, a plain one itself);
+* the tensors among the step's arguments (a global one's part).
+
+The program updates the state in place (the optimizer's writes, and gradients copied into the tensors that held
+them on entry), so later calls pass the same tensors at the same addresses: per call, the step checks that the
+state is still held by the same tensors, reads the arguments' metadata and the optimizer's hyperparameters (the
+key of the traced program), fills the learning rates and runs the compiled program. No global tensor, guard or
+dispatch runs per parameter.
+
+A new key, or state held by other tensors (``zero_grad()`` outside the step, a loaded optimizer state), traces
+again; the first call of all runs eagerly, so that the optimizer creates its state and the model its gradients
+before the trace sees them."""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils import _pytree as pytree
+
+from .. import _comm as comm
+from .._layout import device_draws_refused
+from .._tensor import GlobalTensor
+
+_TRACES_PER_STEP = 16  # a step traced more often than this is re-laid out every call: refused, not slowed down
+_KEYS_KEPT = 8  # traced programs kept per step (one per argument shape, in a loop with a few)
+_grad_of = torch._C.TensorBase.grad.__get__
+_set_grad = torch._C.TensorBase.grad.__set__
+
+
+class StepNotTraceable(RuntimeError):
+    """``compile_step`` cannot trace the step as one program; the message says what it met."""
+
+
+class _Holder(NamedTuple):
+    """Where one state tensor is kept: ``kind`` "part" (a parameter's ``_local``), "grad" (its ``.grad``) or
+    "entry" (``owner[key]`` of a dict: a module's buffers, a parameter's optimizer state)."""
+
+    kind: str
+    owner: Any
+    key: Any = None
+
+    def get(self):
+        if self.kind == "part":
+            return self.owner._local
+        if self.kind == "grad":
+            return _grad_of(self.owner)
+        return self.owner.get(self.key)
+
+    def set(self, value) -> None:
+        if self.kind == "part":
+            self.owner._local = value
+        elif self.kind == "grad":
+            with torch._C.DisableTorchFunctionSubclass():
+                _set_grad(self.owner, value)
+        elif value is None:
+            self.owner.pop(self.key, None)
+        else:
+            self.owner[self.key] = value
+
+
+def _part(value):
+    return value._local if isinstance(value, GlobalTensor) else value
+
+
+def _rewrap(value, like):
+    """``value`` (a part) in the form ``like`` held it: a global tensor of ``like``'s metadata, or itself."""
+    return GlobalTensor(value, like._meta) if isinstance(like, GlobalTensor) else value
+
+
+def _same_form(a, b) -> bool:
+    """Whether ``b`` can be copied into ``a`` in place, leaving ``a``'s holder as it is."""
+    if isinstance(a, GlobalTensor) != isinstance(b, GlobalTensor):
+        return False
+    if isinstance(a, GlobalTensor) and a._meta != b._meta:
+        return False
+    pa, pb = _part(a), _part(b)
+    return pa.shape == pb.shape and pa.dtype == pb.dtype and pa.device == pb.device
+
+
+class _Program(NamedTuple):
+    """One traced and compiled step, for one key."""
+
+    run: Callable
+    held: list  # the objects the state's holders held when traced (identity-checked per call)
+    results: pytree.TreeSpec
+    result_forms: list  # per result leaf: a GlobalTensor's metadata, "plain", or ("constant", value)
+    writes: list  # (holder, form): holders given a new value per call (no tensor held it on entry to copy into)
+
+
+class CompiledStep:
+    """A step function traced once per key into one program on the local parts (see ``compile_step``)."""
+
+    def __init__(self, fn, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], backend):
+        self.fn, self.models, self.optimizers, self.backend = fn, models, optimizers, backend
+        self.params = list(dict.fromkeys(p for m in models for p in m.parameters()))
+        plain = [p for p in self.params if not isinstance(p, GlobalTensor)]
+        if plain:
+            raise TypeError(
+                f"compile_step: {len(plain)} parameter(s) of the model are plain tensors; lay the whole model out "
+                "with Module.to_global first (a plain parameter has no part to trace)"
+            )
+        self.buffer_dicts = [m._buffers for model in models for m in model.modules() if m._buffers]
+        self.programs: OrderedDict = OrderedDict()
+        self.lr_tensors: list[torch.Tensor] = []
+        self.traces = 0
+        self.called = False
+
+    # -- what the state is ---------------------------------------------------------------------------------------
+    def _holders(self) -> list[_Holder]:
+        holders = [_Holder("part", p) for p in self.params]
+        holders += [_Holder("grad", p) for p in self.params]
+        for buffers in self.buffer_dicts:
+            holders += [_Holder("entry", buffers, k) for k, v in buffers.items() if isinstance(v, torch.Tensor)]
+        for optimizer in self.optimizers:
+            for p in self.params:
+                state = optimizer.state.get(p)
+                if state:
+                    holders += [_Holder("entry", state, k) for k, v in state.items() if isinstance(v, torch.Tensor)]
+        return holders
+
+    def _groups(self) -> list[dict]:
+        return [g for o in self.optimizers for g in o.param_groups]
+
+    def _lifted(self) -> list[dict]:
+        """The groups whose learning rate is an input of the program: those of optimizers with a ``capturable``
+        option, whose arithmetic takes a tensor learning rate (SGD's does not: its ``lr`` is part of the key)."""
+        return [g for g in self._groups() if "capturable" in g]
+
+    def _hyperparameters(self) -> tuple:
+        key = []
+        for group in self._groups():
+            for name, value in group.items():
+                if name == "params" or (name == "lr" and "capturable" in group):
+                    continue
+                if isinstance(value, torch.Tensor):
+                    raise StepNotTraceable(
+                        f"compile_step: the optimizer's {name!r} is a tensor; only 'lr' may be one (it is an "
+                        "input of the program), other hyperparameters are part of its key"
+                    )
+                key.append((name, tuple(value) if isinstance(value, list) else value))
+            if "capturable" in group:
+                key.append(("lr", type(group["lr"])))
+        return tuple(key)
+
+    # -- calling --------------------------------------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        if not self.called:  # the optimizer's state and the gradients appear here, before any trace
+            self.called = True
+            return self.fn(*args, **kwargs)
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        key = (spec, tuple(_describe(leaf) for leaf in leaves), torch.is_grad_enabled(), self._hyperparameters())
+        holders = self._holders()
+        held = [h.get() for h in holders]
+        program = self.programs.get(key)
+        if program is None or len(program.held) != len(held) or not all(map(operator.is_, held, program.held)):
+            program = self._trace(key, leaves, spec, holders, held)
+        self.programs.move_to_end(key)
+        lrs = []
+        for group, tensor in zip(self._lifted(), self.lr_tensors):
+            lr = group["lr"]
+            if isinstance(lr, torch.Tensor):
+                lrs.append(lr)
+            else:
+                tensor.fill_(lr)
+                lrs.append(tensor)
+        state = [_part(h) for h in held if h is not None]
+        inputs = [_part(leaf) for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        outputs = program.run(*lrs, *state, *inputs)
+        count = len(program.result_forms)
+        values = iter(outputs[count:])
+        for holder, form in program.writes:
+            holder.set(None if form is None else next(values) if form == "plain" else GlobalTensor(next(values), form))
+        return _results(program, outputs[:count])
+
+    def _trace(self, key, leaves, spec, holders, held) -> _Program:
+        if self.traces >= _TRACES_PER_STEP:
+            raise StepNotTraceable(
+                f"compile_step traced this step {self.traces} times: its arguments' shapes or layouts, the "
+                "optimizer's hyperparameters, or the tensors holding the state change from call to call"
+            )
+        self.traces += 1
+        groups = self._lifted()
+        device = self.params[0]._local.device if self.params else torch.device("cpu")
+        while len(self.lr_tensors) < len(groups):
+            self.lr_tensors.append(torch.zeros((), dtype=torch.float64, device=device))
+        present = [(h, v) for h, v in zip(holders, held) if v is not None]
+        arg_leaves = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        outcome = {}
+
+        def program(*flat):
+            lrs, rest = flat[: len(groups)], flat[len(groups) :]
+            state, inputs = rest[: len(present)], rest[len(present) :]
+            for (holder, value), part in zip(present, state):
+                holder.set(part if holder.kind == "part" else _rewrap(part, value))
+            for group, lr in zip(groups, lrs):  # (capturable: its arithmetic on tensors, no read of the step count)
+                group["lr"], group["capturable"] = lr, True
+            parts = iter(inputs)
+            rebuilt = [_rewrap(next(parts), leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+            call_args, call_kwargs = pytree.tree_unflatten(rebuilt, spec)
+            result = self.fn(*call_args, **call_kwargs)
+            result_leaves, outcome["results"] = pytree.tree_flatten(result)
+            outcome["forms"] = [_form(leaf) for leaf in result_leaves]
+            returned = [_part(leaf) for leaf in result_leaves if isinstance(leaf, torch.Tensor)]
+            return returned + _write_back(present, state, self._holders(), outcome)
+
+        examples = [*self.lr_tensors[: len(groups)], *[_part(v) for _, v in present], *map(_part, arg_leaves)]
+        with _restored(self, holders, held), comm.tracing_program(), device_draws_refused():
+            try:
+                gm = make_fx(program, tracing_mode="fake")(*examples)
+            except StepNotTraceable:
+                raise
+            except Exception as err:  # noqa: BLE001 - every cause is reported the same way, with its chain
+                raise StepNotTraceable(_why_not(err)) from err
+        comm.check_program(gm, "compile_step's program")
+        with _compiler_settings(self.backend):
+            run = _backend(self.backend)(gm, examples)
+        compiled = _Program(run, held, outcome["results"], outcome["forms"], outcome["writes"])
+        self.programs[key] = compiled
+        while len(self.programs) > _KEYS_KEPT:
+            self.programs.popitem(last=False)
+        return compiled
+
+
+def _describe(leaf):
+    """What of an argument the traced program depends on."""
+    if isinstance(leaf, GlobalTensor):
+        return ("global", leaf._meta, tuple(leaf._local.shape), leaf.requires_grad)
+    if isinstance(leaf, torch.Tensor):
+        return ("plain", tuple(leaf.shape), tuple(leaf.stride()), leaf.dtype, leaf.device, leaf.requires_grad)
+    try:
+        hash(leaf)
+    except TypeError:
+        raise StepNotTraceable(
+            f"compile_step: an argument of type {type(leaf).__name__} is neither a tensor nor hashable; the "
+            "program is traced for the values of its other arguments"
+        ) from None
+    return ("value", type(leaf), leaf)
+
+
+def _form(leaf):
+    if isinstance(leaf, GlobalTensor):
+        return leaf._meta
+    if isinstance(leaf, torch.Tensor):
+        return "plain"
+    if isinstance(leaf, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        # a number read from a tensor while tracing: as a constant, every call would return the traced one
+        raise StepNotTraceable(
+            "compile_step could not trace the step as one program: the step reads a value (item(), float(), "
+            "tolist()) and returns it: return the tensor instead, and read it after the call"
+        )
+    return ("constant", leaf)
+
+
+def _results(program: _Program, values) -> Any:
+    values = iter(values)
+    leaves = []
+    for form in program.result_forms:
+        if isinstance(form, tuple):
+            leaves.append(form[1])
+        elif form == "plain":
+            leaves.append(next(values))
+        else:
+            leaves.append(GlobalTensor(next(values), form))
+    return pytree.tree_unflatten(leaves, program.results)
+
+
+def _write_back(present, state, holders_after, outcome) -> list:
+    """In the traced program, after the step: copy each state value the step replaced into the tensor that held
+    it on entry, where the forms agree; return the values that need a holder of their own. ``outcome["writes"]``
+    says whose, and in what form (a metadata, "plain", or None for a value removed); the runtime sets them."""
+    entry = {(h.kind, id(h.owner), h.key): (h, v, part) for (h, v), part in zip(present, state)}
+    writes, returned, seen = [], [], set()
+    for holder in holders_after:
+        ident = (holder.kind, id(holder.owner), holder.key)
+        seen.add(ident)
+        now = holder.get()
+        if now is None:
+            continue
+        if ident in entry:
+            _, was, part = entry[ident]
+            if _part(now) is part:
+                continue
+            if holder.kind == "part" or _same_form(_rewrap(part, was), now):
+                part.copy_(_part(now))
+                continue
+        writes.append((holder, now._meta if isinstance(now, GlobalTensor) else "plain"))
+        returned.append(_part(now))
+    writes += [(h, None) for ident, (h, _, _) in entry.items() if ident not in seen or h.get() is None]
+    outcome["writes"] = writes
+    return returned
+
+
+@contextlib.contextmanager
+def _restored(step: CompiledStep, holders, held):
+    """Put back every holder, parameter group and state dict as it was before the trace."""
+    groups = [dict(g) for g in step._groups()]
+    states = [{p: dict(o.state[p]) for p in step.params if p in o.state} for o in step.optimizers]
+    buffers = [dict(b) for b in step.buffer_dicts]
+    try:
+        yield
+    finally:
+        for group, saved in zip(step._groups(), groups):
+            group.clear()
+            group.update(saved)
+        for optimizer, saved in zip(step.optimizers, states):
+            for p in step.params:
+                if p in saved:
+                    optimizer.state[p].clear()
+                    optimizer.state[p].update(saved[p])
+                else:
+                    optimizer.state.pop(p, None)
+        for live, saved in zip(step.buffer_dicts, buffers):
+            live.clear()
+            live.update(saved)
+        for holder, value in zip(holders, held):
+            if holder.kind != "entry":
+                holder.set(value)
+
+
+def _why_not(err: Exception) -> str:
+    text = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+    if "FakeTensor" in text or "non-fake" in text.lower():
+        hint = (
+            "the step reads a tensor that is neither one of its arguments, nor a parameter or buffer of the model, "
+            "nor optimizer state: pass it as an argument"
+        )
+    elif "data-dependent" in text.lower() or "DataDependent" in text:
+        hint = "the step reads a value (item(), bool(), a mask's count): return it from the step instead"
+    else:
+        hint = "run the step eagerly, or under torch.compile, which breaks the graph where it must"
+    return f"compile_step could not trace the step as one program: {hint}. ({text})"
+
+
+def _backend(backend):
+    if callable(backend):
+        return backend
+    if backend is None:
+        return lambda gm, examples: gm
+    import torch._dynamo  # (its registry of backends)
+
+    return torch._dynamo.lookup_backend(backend)
+
+
+def _compiler_settings(backend):
+    """The traced program already holds the gradient buckets the reducer formed: Inductor's bucketing passes, which
+    group collectives by their sizes (which differ between ranks holding uneven parts), stay off for it."""
+    if backend != "inductor":
+        return contextlib.nullcontext()
+    import torch._inductor.config as inductor
+
+    return inductor.patch(bucket_all_reduces_fx="none", bucket_reduce_scatters_fx="none")
+
+
+def compile_step(fn=None, *, model, optimizer=None, backend="inductor"):
+    """Compile the training step ``fn`` as one program on this rank's parts (docs/compile.md, "Whole steps").
+
+    ``model`` (a module laid out with ``Module.to_global``, or a list of them) and ``optimizer`` (one, a list or
+    None) hold the state the step reads and writes: parameters, gradients, buffers and optimizer state. ``fn`` may
+    take tensors (plain or global: the batch; its ``to_global`` runs inside the program) and hashable values, and
+    returns tensors, nested in lists, tuples or dicts. ``backend`` is a ``torch.compile`` backend name or callable
+    (``None``: run the traced graph as it is).
+
+    What a user may rely on:
+
+    * The first call runs ``fn`` eagerly. Each later call runs one compiled program traced for its key: the
+      arguments' shapes, dtypes and layouts (non-tensor arguments by value), grad mode, and the optimizer's
+      hyperparameters. The learning rate of an optimizer with a ``capturable`` option (Adam, AdamW, ...) is not in
+      the key but read every call, so a scheduler does not trace again; other optimizers' (SGD's) is in it. The
+      program's collectives are checked to be the same on every rank when it is traced.
+    * Parameters, gradients, buffers and optimizer state are updated in place; gradients stay in the tensors that
+      held them, as with ``zero_grad(set_to_none=False)``. A step that replaces a state tensor (a loaded state dict,
+      ``zero_grad()`` outside the step) is traced again on its next call.
+    * Results carry no autograd history: the step has run its own backward.
+    * A step that reads a value (``loss.item()``), or a tensor that is not an argument, a parameter, a buffer or
+      optimizer state, raises ``StepNotTraceable`` on every rank; so does drawing random global tensors on CUDA.
+    """
+    if fn is None:
+        return lambda f: compile_step(f, model=model, optimizer=optimizer, backend=backend)
+    if not dist.is_initialized():
+        raise RuntimeError("compile_step needs the default process group (sbp_torch.init_process_group)")
+    models = list(model) if isinstance(model, (list, tuple)) else [model]
+    optimizers = [] if optimizer is None else list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    return CompiledStep(fn, models, optimizers, backend)
