@@ -1,7 +1,8 @@
 """A GPT-style transformer trained with data, tensor (Megatron-style) and hybrid parallelism on CPU ranks.
 
     python -m torch.distributed.run --standalone --nproc-per-node 4 examples/gpt.py [--steps 20] [--mode all]
-        [--compile [inductor|aot_eager]] [--checkpoint-dir DIR [--checkpoint-every 5] [--resume]]
+        [--compile [inductor|aot_eager]] [--compile-step [inductor|aot_eager|eager]]
+        [--checkpoint-dir DIR [--checkpoint-every 5] [--resume]]
 
 The model is plain PyTorch (nothing in it knows about sbp_torch). Parallelism is a plan: which SBP each
 parameter gets, and how the batch is laid out. Every mode trains a copy of the same model for ``--steps``
@@ -16,7 +17,9 @@ on the same batches to within 1e-5 relative.
 * ``dp_tp``: both on a 2x2 mesh: batch split along axis 0, the tensor-parallel plan along axis 1.
 
 With ``--compile``, the global model's forward and backward (``fullgraph=True``, gradient reduction included)
-and the optimizer step run through ``torch.compile``; the single-process reference stays eager.
+and the optimizer step run through ``torch.compile``; the single-process reference stays eager. With
+``--compile-step``, each training step (batch layout, forward, backward, AdamW) is one program compiled by
+``sbp_torch.compile_step`` (docs/compile.md, "Whole training steps").
 
 With ``--checkpoint-dir``, the global training saves its state (model, AdamW moments, the losses so far and
 torch's random generator) to ``DIR/<mode>`` every ``--checkpoint-every`` steps; with ``--resume`` it starts
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import math
 import os
 from typing import NamedTuple
@@ -125,13 +129,18 @@ def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, idx, targets, layout=lambda t: t) -> float:
-    """One step of AdamW on one batch; returns the loss. ``layout`` lays the batch out (e.g. ``to_global``)."""
+def step_loss(model: nn.Module, optimizer: torch.optim.Optimizer, idx, targets, layout=lambda t: t):
+    """One step of AdamW on one batch; returns the loss tensor. ``layout`` lays the batch out (e.g. ``to_global``)."""
     loss = model(layout(idx), layout(targets))
     optimizer.zero_grad()
     loss.backward()
     optimizer.step()
-    return loss.item()
+    return loss
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, idx, targets, layout=lambda t: t) -> float:
+    """``step_loss``, returning the loss as a number."""
+    return step_loss(model, optimizer, idx, targets, layout).item()
 
 
 class Checkpointing(NamedTuple):
@@ -143,10 +152,17 @@ class Checkpointing(NamedTuple):
 
 
 def train(
-    model: nn.Module, steps: int, layout=lambda t: t, batch: int = BATCH, backend=None, checkpoint=None
+    model: nn.Module,
+    steps: int,
+    layout=lambda t: t,
+    batch: int = BATCH,
+    backend=None,
+    checkpoint=None,
+    whole_step=None,
 ) -> list[float]:
     """Losses of ``steps`` AdamW steps; with ``backend``, the model and the optimizer step compiled by it; with
-    ``checkpoint`` (a ``Checkpointing``), saved along the way and resumed."""
+    ``whole_step`` (a backend), each step one program by ``sbp_torch.compile_step``; with ``checkpoint`` (a
+    ``Checkpointing``), saved along the way and resumed."""
     optimizer = make_optimizer(model)
     state = {"model": model, "optim": optimizer, "losses": [], "rng": torch.get_rng_state()}
     if checkpoint and checkpoint.resume and os.path.exists(checkpoint.path):
@@ -158,19 +174,28 @@ def train(
         torch._dynamo.reset()  # each mode compiles afresh (docs/compile.md: several optimizers in one process)
         model = torch.compile(model, backend=backend, fullgraph=True)
         optimizer.step = torch.compile(optimizer.step, backend=backend)
+    one_step = functools.partial(train_step, model, optimizer, layout=layout)
+    if whole_step is not None:
+        compiled = st.compile_step(
+            functools.partial(step_loss, model, optimizer, layout=layout),
+            model=model,
+            optimizer=optimizer,
+            backend=whole_step,
+        )
+        one_step = lambda idx, targets: compiled(idx, targets).item()  # noqa: E731
     losses = state["losses"]
     for step, (idx, targets) in enumerate(batches(steps, batch)):
         if step < len(losses):
             continue  # trained on before the checkpoint: the data order stays that of an uninterrupted run
-        losses.append(train_step(model, optimizer, idx, targets, layout))
+        losses.append(one_step(idx, targets))
         if checkpoint and (step + 1) % checkpoint.every == 0:
             st.checkpoint.save({**state, "rng": torch.get_rng_state()}, checkpoint.path)
     return losses
 
 
-def run(mode: str, steps: int, backend=None, checkpoint=None) -> tuple[list[float], list[float]]:
+def run(mode: str, steps: int, backend=None, checkpoint=None, whole_step=None) -> tuple[list[float], list[float]]:
     """(single-process losses, global losses) for ``mode``, on every rank; ``backend`` compiles the global
-    training, ``checkpoint`` saves and resumes it."""
+    training, ``whole_step`` compiles each of its steps as one program, ``checkpoint`` saves and resumes it."""
     torch.manual_seed(0)
     reference = GPT()
     model = copy.deepcopy(reference)
@@ -179,7 +204,7 @@ def run(mode: str, steps: int, backend=None, checkpoint=None) -> tuple[list[floa
     model.to_global(placement, plan)
     replicated = (broadcast,) * placement.ndim
     layout = lambda t: t.to_global(placement, replicated).to_global(sbp=batch_sbp)  # noqa: E731
-    return want, train(model, steps, layout, backend=backend, checkpoint=checkpoint)
+    return want, train(model, steps, layout, backend=backend, checkpoint=checkpoint, whole_step=whole_step)
 
 
 def main():
@@ -188,6 +213,13 @@ def main():
     parser.add_argument("--mode", choices=["dp", "tp", "dp_tp", "all"], default="all")
     parser.add_argument(
         "--compile", nargs="?", const="inductor", choices=["inductor", "aot_eager"], help="torch.compile backend"
+    )
+    parser.add_argument(
+        "--compile-step",
+        nargs="?",
+        const="inductor",
+        choices=["inductor", "aot_eager", "eager"],
+        help="each step one program by sbp_torch.compile_step, with this backend",
     )
     parser.add_argument("--checkpoint-dir", help="save the training state under this directory")
     parser.add_argument("--checkpoint-every", type=int, default=5, help="steps between checkpoints")
@@ -198,7 +230,7 @@ def main():
         checkpoint = None
         if args.checkpoint_dir:
             checkpoint = Checkpointing(os.path.join(args.checkpoint_dir, mode), args.checkpoint_every, args.resume)
-        want, got = run(mode, args.steps, args.compile, checkpoint)
+        want, got = run(mode, args.steps, args.compile, checkpoint, args.compile_step)
         worst = max(abs(g - w) / abs(w) for g, w in zip(got, want))
         if dist.get_rank() == 0:
             print(

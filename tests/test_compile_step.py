@@ -229,13 +229,16 @@ def _retraces():
     ref_opt.step()
     torch.testing.assert_close(step(x, 2.0)["loss"].item(), want.item(), rtol=1e-5, atol=1e-6)
     _assert_params_match(model, reference)
+    traces.append(step.traces)
+    model.eval()  # a module's training flag is in the key (dropout, batch norm read it)
+    step(x, 2.0)
     return traces + [step.traces]
 
 
 def test_retraces_when_its_key_or_state_changes():
     # first call eager (0); the second traces (1); new rows (2); new scale (3, a value argument) with a new
-    # weight decay; a loaded optimizer state (4)
-    assert run_on_world(2, _retraces) == [[0, 1, 1, 2, 2, 3, 3, 4]] * 2
+    # weight decay; a loaded optimizer state (4); eval mode (5)
+    assert run_on_world(2, _retraces) == [[0, 1, 1, 2, 2, 3, 3, 4, 5]] * 2
 
 
 def _refusals():

@@ -41,6 +41,7 @@ from .._tensor import GlobalTensor
 _TRACES_PER_STEP = 16  # a step traced more often than this is re-laid out every call: refused, not slowed down
 _KEYS_KEPT = 8  # traced programs kept per step (one per argument shape, in a loop with a few)
 _grad_of = torch._C.TensorBase.grad.__get__
+_training = operator.attrgetter("training")
 _set_grad = torch._C.TensorBase.grad.__set__
 
 
@@ -116,7 +117,8 @@ class CompiledStep:
                 f"compile_step: {len(plain)} parameter(s) of the model are plain tensors; lay the whole model out "
                 "with Module.to_global first (a plain parameter has no part to trace)"
             )
-        self.buffer_dicts = [m._buffers for model in models for m in model.modules() if m._buffers]
+        self.modules = [m for model in models for m in model.modules()]
+        self.buffer_dicts = [m._buffers for m in self.modules if m._buffers]
         self.programs: OrderedDict = OrderedDict()
         self.lr_tensors: list[torch.Tensor] = []
         self.traces = 0
@@ -159,13 +161,24 @@ class CompiledStep:
                 key.append(("lr", type(group["lr"])))
         return tuple(key)
 
+    def reset(self) -> None:
+        """Forget the traced programs: the next call traces again. For a change the key does not see (see
+        ``compile_step``); every rank must call it at the same point."""
+        self.programs.clear()
+
     # -- calling --------------------------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         if not self.called:  # the optimizer's state and the gradients appear here, before any trace
             self.called = True
             return self.fn(*args, **kwargs)
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        key = (spec, tuple(_describe(leaf) for leaf in leaves), torch.is_grad_enabled(), self._hyperparameters())
+        key = (
+            spec,
+            tuple(_describe(leaf) for leaf in leaves),
+            torch.is_grad_enabled(),
+            tuple(map(_training, self.modules)),
+            self._hyperparameters(),
+        )
         holders = self._holders()
         held = [h.get() for h in holders]
         program = self.programs.get(key)
@@ -380,14 +393,18 @@ def compile_step(fn=None, *, model, optimizer=None, backend="inductor"):
     What a user may rely on:
 
     * The first call runs ``fn`` eagerly. Each later call runs one compiled program traced for its key: the
-      arguments' shapes, dtypes and layouts (non-tensor arguments by value), grad mode, and the optimizer's
-      hyperparameters. The learning rate of an optimizer with a ``capturable`` option (Adam, AdamW, ...) is not in
-      the key but read every call, so a scheduler does not trace again; other optimizers' (SGD's) is in it. The
-      program's collectives are checked to be the same on every rank when it is traced.
+      arguments' shapes, dtypes and layouts (non-tensor arguments by value), grad mode, each module's ``training``
+      flag, and the optimizer's hyperparameters. The learning rate of an optimizer with a ``capturable`` option
+      (Adam, AdamW, ...) is not in the key but read every call, so a scheduler does not trace again; other
+      optimizers' (SGD's) is in it. The program's collectives are checked to be the same on every rank when it is
+      traced.
     * Parameters, gradients, buffers and optimizer state are updated in place; gradients stay in the tensors that
-      held them, as with ``zero_grad(set_to_none=False)``. A step that replaces a state tensor (a loaded state dict,
-      ``zero_grad()`` outside the step) is traced again on its next call.
+      held them on entry, as with ``zero_grad(set_to_none=False)`` (entered with none, after ``zero_grad()``
+      outside the step, the step gives them new tensors each call). When a tensor holding the state was replaced
+      since the trace (a loaded state dict), the next call traces again.
     * Results carry no autograd history: the step has run its own backward.
+    * Other Python state the step reads (a module's other attributes, globals) is fixed at trace time: after
+      changing it, call ``reset()`` on the returned ``CompiledStep``.
     * A step that reads a value (``loss.item()``), or a tensor that is not an argument, a parameter, a buffer or
       optimizer state, raises ``StepNotTraceable`` on every rank; so does drawing random global tensors on CUDA.
     """
