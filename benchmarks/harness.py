@@ -29,6 +29,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 import traceback
 
@@ -147,9 +148,11 @@ def timed_interleaved(fns: dict, repeats: int, warmup: int) -> dict[str, dict]:
 
 
 def load_gpt_example():
-    """``examples/gpt.py`` as a module (``examples`` is not a package; its model is reused, not copied)."""
+    """``examples/gpt.py`` as a fresh module (``examples`` is not a package; its model is reused, not copied), the
+    one ``sys.modules`` names ``gpt_example`` (Dynamo imports a compiled function's module by name)."""
     spec = importlib.util.spec_from_file_location("gpt_example", os.path.join(REPO, "examples", "gpt.py"))
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
 

@@ -278,3 +278,44 @@ def test_refuses_what_it_cannot_trace_on_every_rank():
     assert caught[0] == caught[1]
     assert caught[0][0].startswith("the step reads a value")
     assert caught[0][1].startswith("the step reads a tensor that is neither")
+
+
+def _clipped_training(kind):
+    """Gradient clipping inside the step (``clip_grad_norm_``'s all-reduced norm), tensor parallel or sharded."""
+    torch.manual_seed(0)
+    reference = MLP(6, 10)
+    model = copy.deepcopy(reference)
+    placement = st.placement("cpu", [0, 1])
+    if kind == "sharded":
+        model.to_global(placement, B, shard=0)
+    else:
+        model.to_global(placement, {"up.weight": S(0), "down.weight": S(1)})
+    batches = _batches(5, 6, 6)
+    ref_opt, optimizer = _adamw(reference), _adamw(model)
+    want = []
+    for x in batches:
+        loss = reference(x)
+        ref_opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+        ref_opt.step()
+        want.append(loss.item())
+
+    @st.compile_step(model=model, optimizer=optimizer, backend=None)
+    def step(x):
+        loss = model(x.to_global(placement, (B,), check_meta=False).to_global(sbp=(S(0),)))
+        optimizer.zero_grad()
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        optimizer.step()
+        return loss, norm
+
+    got = [step(x)[0].item() for x in batches]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    _assert_params_match(model, reference)
+    return step.traces
+
+
+@pytest.mark.parametrize("kind", ["tensor parallel", "sharded"])
+def test_clipping_inside_the_step(kind):
+    assert run_on_world(2, _clipped_training, kind) == [1, 1]
