@@ -237,8 +237,9 @@ def _retraces():
 
 def test_retraces_when_its_key_or_state_changes():
     # first call eager (0); the second traces (1); new rows (2); new scale (3, a value argument) with a new
-    # weight decay; a loaded optimizer state (4); eval mode (5)
-    assert run_on_world(2, _retraces) == [[0, 1, 1, 2, 2, 3, 3, 4, 5]] * 2
+    # weight decay; a loaded optimizer state: other tensors of the same forms, run without a new trace (3); eval
+    # mode (4)
+    assert run_on_world(2, _retraces) == [[0, 1, 1, 2, 2, 3, 3, 3, 4]] * 2
 
 
 def _refusals():
@@ -260,13 +261,34 @@ def _refusals():
         optimizer.step()
         return loss
 
-    for fn in (reads_value, reads_outside):
-        step = st.compile_step(fn, model=model, optimizer=optimizer, backend=None)
-        x = torch.randn(3, 4).to_global(placement, (B,))
+    class Counting(torch.optim.SGD):  # keeps a Python number in its state, which a program cannot change
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    self.state[p]["calls"] = self.state[p].get("calls", 0) + 1
+            return super().step(closure)
+
+    counting = Counting(model.parameters(), lr=0.1)
+
+    def counts(x):
+        loss = model(x)
+        loss.backward()
+        counting.step()
+        return loss
+
+    def takes_grad(x):
+        loss = model(x)
+        loss.backward()
+        return loss
+
+    cases = [(reads_value, optimizer), (reads_outside, optimizer), (counts, counting), (takes_grad, optimizer)]
+    for fn, opt in cases:
+        step = st.compile_step(fn, model=model, optimizer=opt, backend=None)
+        x = torch.randn(3, 4).to_global(placement, (B,)).requires_grad_(fn is takes_grad)
         step(x)  # the first call runs eagerly
         with pytest.raises(st.StepNotTraceable) as err:
             step(x)
-        caught.append(str(err.value).split(":")[1].strip()[:40])
+        caught.append(str(err.value).split(":", 1)[1].strip()[:48])
     plain = MLP(2, 2)
     with pytest.raises(TypeError, match="plain tensors"):
         st.compile_step(lambda: None, model=plain)
@@ -278,6 +300,8 @@ def test_refuses_what_it_cannot_trace_on_every_rank():
     assert caught[0] == caught[1]
     assert caught[0][0].startswith("the step reads a value")
     assert caught[0][1].startswith("the step reads a tensor that is neither")
+    assert caught[0][2].startswith("the step changes the optimizer state's 'calls'")
+    assert caught[0][3].startswith("an argument of the step requires grad")
 
 
 def _clipped_training(kind):
@@ -319,3 +343,57 @@ def _clipped_training(kind):
 @pytest.mark.parametrize("kind", ["tensor parallel", "sharded"])
 def test_clipping_inside_the_step(kind):
     assert run_on_world(2, _clipped_training, kind) == [1, 1]
+
+
+class TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(5, 8)
+        self.a = nn.Linear(8, 3)
+        self.b = nn.Linear(8, 3)
+
+    def forward(self, x, head: str):
+        return (getattr(self, head)(torch.relu(self.up(x))) + 1.0).pow(2).mean()
+
+
+def _changing_state():
+    """The state changes shape between calls: a head whose optimizer state first appears in a traced call, a
+    frozen parameter, and gradients accumulated over two calls and emptied (``zero_grad()``) outside the step."""
+    torch.manual_seed(0)
+    reference = TwoHeads()
+    model = copy.deepcopy(reference)
+    placement = st.placement("cpu", [0, 1])
+    model.to_global(placement, {"up.weight": S(0), "a.weight": S(1), "b.weight": S(1)})
+    ref_opt, optimizer = _adamw(reference), _adamw(model)
+
+    @st.compile_step(model=model, optimizer=optimizer, backend=None)
+    def step(x, head, apply):
+        loss = model(x.to_global(placement, (B,), check_meta=False).to_global(sbp=(S(0),)), head)
+        loss.backward()
+        if apply:
+            optimizer.step()
+        return loss
+
+    calls = [("a", True), ("b", True), ("b", True), ("a", False), ("a", True), ("b", False), ("b", True)]
+    calls += [("a", False), ("a", True), ("b", False), ("b", True)]
+    for i, (head, apply) in enumerate(calls):
+        if i == 4:  # freeze a parameter: its program differs
+            for m in (model, reference):
+                m.up.bias.requires_grad_(False)
+        (x,) = _batches(1, 6, 5, seed=i)
+        want = reference(x, head)
+        want.backward()
+        if apply:
+            ref_opt.step()
+            ref_opt.zero_grad()
+        got = step(x, head, apply)
+        if apply:
+            optimizer.zero_grad()
+        torch.testing.assert_close(got.item(), want.item(), rtol=1e-5, atol=1e-6)
+        _assert_params_match(model, reference)
+    return step.traces
+
+
+def test_state_that_changes_between_calls():
+    traces = run_on_world(2, _changing_state)
+    assert traces[0] == traces[1] and traces[0] <= 8  # one program per (head, apply, frozen) seen, no more

@@ -23,6 +23,7 @@ before the trace sees them."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import operator
 from collections import OrderedDict
 from collections.abc import Callable
@@ -38,10 +39,21 @@ from .. import _comm as comm
 from .._layout import device_draws_refused
 from .._tensor import GlobalTensor
 
+# The optimizers whose capturable arithmetic takes a tensor learning rate (the others read it as a number)
+_TENSOR_LR = (
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.Adamax,
+    torch.optim.ASGD,
+    torch.optim.Rprop,
+)
 _TRACES_PER_STEP = 16  # a step traced more often than this is re-laid out every call: refused, not slowed down
 _KEYS_KEPT = 8  # traced programs kept per step (one per argument shape, in a loop with a few)
 _grad_of = torch._C.TensorBase.grad.__get__
 _training = operator.attrgetter("training")
+_requires_grad = operator.attrgetter("requires_grad")
 _set_grad = torch._C.TensorBase.grad.__set__
 
 
@@ -50,8 +62,9 @@ class StepNotTraceable(RuntimeError):
 
 
 class _Holder(NamedTuple):
-    """Where one state tensor is kept: ``kind`` "part" (a parameter's ``_local``), "grad" (its ``.grad``) or
-    "entry" (``owner[key]`` of a dict: a module's buffers, a parameter's optimizer state)."""
+    """Where one state tensor is kept: ``kind`` "part" (a parameter's ``_local``), "grad" (its ``.grad``), "buffer"
+    (``owner[key]``, a module's buffers) or "state" (``owner.state[p][name]`` of an optimizer, ``key`` = (p, name):
+    read through the optimizer, so a state dict created after the trace is the one written)."""
 
     kind: str
     owner: Any
@@ -61,7 +74,11 @@ class _Holder(NamedTuple):
         if self.kind == "part":
             return self.owner._local
         if self.kind == "grad":
-            return _grad_of(self.owner)
+            with torch._C.DisableTorchFunctionSubclass():  # (no Python entry per parameter)
+                return _grad_of(self.owner)
+        if self.kind == "state":
+            state = self.owner.state.get(self.key[0])
+            return None if state is None else state.get(self.key[1])
         return self.owner.get(self.key)
 
     def set(self, value) -> None:
@@ -70,6 +87,11 @@ class _Holder(NamedTuple):
         elif self.kind == "grad":
             with torch._C.DisableTorchFunctionSubclass():
                 _set_grad(self.owner, value)
+        elif self.kind == "state":
+            if value is not None:
+                self.owner.state[self.key[0]][self.key[1]] = value
+            elif self.key[0] in self.owner.state:
+                self.owner.state[self.key[0]].pop(self.key[1], None)
         elif value is None:
             self.owner.pop(self.key, None)
         else:
@@ -95,11 +117,15 @@ def _same_form(a, b) -> bool:
     return pa.shape == pb.shape and pa.dtype == pb.dtype and pa.device == pb.device
 
 
-class _Program(NamedTuple):
+@dataclasses.dataclass
+class _Program:
     """One traced and compiled step, for one key."""
 
     run: Callable
-    held: list  # the objects the state's holders held when traced (identity-checked per call)
+    held: list  # ``CompiledStep._held()`` when last run: checked per call, by identity, else by form
+    forms: list  # the form of each of ``held`` (``_form_of``)
+    state: list  # the state's parts, the program's inputs after the learning rates
+    holders: list  # the holders of ``state``, in its order
     results: pytree.TreeSpec
     result_forms: list  # per result leaf: a GlobalTensor's metadata, "plain", or ("constant", value)
     writes: list  # (holder, form): holders given a new value per call (no tensor held it on entry to copy into)
@@ -125,40 +151,61 @@ class CompiledStep:
         self.called = False
 
     # -- what the state is ---------------------------------------------------------------------------------------
+    def _held(self) -> tuple[list, tuple]:
+        """Everything the state's holders hold, in a fixed order: each parameter's part, each gradient and its
+        part, each buffer and optimizer state value (numbers too) and, for a global one, its part. Built by list
+        operations, with no dispatch: the per-call check that a program still fits the state. And which gradients
+        are None (part of the key: gradients accumulate into tensors, or start from none)."""
+        params = self.params
+        held = [p._local for p in params]
+        with torch._C.DisableTorchFunctionSubclass():
+            grads = list(map(_grad_of, params))
+        held += grads
+        held += [g._local for g in grads if isinstance(g, GlobalTensor)]
+        values = [v for buffers in self.buffer_dicts for v in buffers.values()]
+        for optimizer in self.optimizers:
+            values += [v for state in optimizer.state.values() for v in state.values()]
+        held += values
+        held += [getattr(v, "_local", v) for v in values]  # (a global value's part may change: transpose_)
+        return held, tuple(g is None for g in grads)
+
     def _holders(self) -> list[_Holder]:
         holders = [_Holder("part", p) for p in self.params]
         holders += [_Holder("grad", p) for p in self.params]
         for buffers in self.buffer_dicts:
-            holders += [_Holder("entry", buffers, k) for k, v in buffers.items() if isinstance(v, torch.Tensor)]
+            holders += [_Holder("buffer", buffers, k) for k, v in buffers.items() if isinstance(v, torch.Tensor)]
         for optimizer in self.optimizers:
             for p in self.params:
                 state = optimizer.state.get(p)
                 if state:
-                    holders += [_Holder("entry", state, k) for k, v in state.items() if isinstance(v, torch.Tensor)]
+                    holders += [
+                        _Holder("state", optimizer, (p, k)) for k, v in state.items() if isinstance(v, torch.Tensor)
+                    ]
         return holders
 
     def _groups(self) -> list[dict]:
         return [g for o in self.optimizers for g in o.param_groups]
 
     def _lifted(self) -> list[dict]:
-        """The groups whose learning rate is an input of the program: those of optimizers with a ``capturable``
-        option, whose arithmetic takes a tensor learning rate (SGD's does not: its ``lr`` is part of the key)."""
-        return [g for g in self._groups() if "capturable" in g]
+        """The groups whose learning rate is an input of the program: those of the optimizers whose capturable
+        arithmetic takes a tensor learning rate (``_TENSOR_LR``); other optimizers' is part of the key."""
+        return [g for o in self.optimizers if isinstance(o, _TENSOR_LR) for g in o.param_groups]
 
     def _hyperparameters(self) -> tuple:
         key = []
-        for group in self._groups():
-            for name, value in group.items():
-                if name == "params" or (name == "lr" and "capturable" in group):
-                    continue
-                if isinstance(value, torch.Tensor):
-                    raise StepNotTraceable(
-                        f"compile_step: the optimizer's {name!r} is a tensor; only 'lr' may be one (it is an "
-                        "input of the program), other hyperparameters are part of its key"
-                    )
-                key.append((name, tuple(value) if isinstance(value, list) else value))
-            if "capturable" in group:
-                key.append(("lr", type(group["lr"])))
+        for optimizer in self.optimizers:
+            lifted = isinstance(optimizer, _TENSOR_LR)
+            for group in optimizer.param_groups:
+                for name, value in group.items():
+                    if name == "params" or (name == "lr" and lifted):
+                        continue
+                    if isinstance(value, torch.Tensor):
+                        raise StepNotTraceable(
+                            f"compile_step: the {type(optimizer).__name__} optimizer's {name!r} is a tensor; a "
+                            "tensor hyperparameter is taken only as the learning rate of "
+                            f"{', '.join(c.__name__ for c in _TENSOR_LR)}"
+                        )
+                    key.append((name, tuple(value) if isinstance(value, list) else value))
         return tuple(key)
 
     def reset(self) -> None:
@@ -169,40 +216,47 @@ class CompiledStep:
     # -- calling --------------------------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         if not self.called:  # the optimizer's state and the gradients appear here, before any trace
+            result = self.fn(*args, **kwargs)
             self.called = True
-            return self.fn(*args, **kwargs)
-        leaves, spec = pytree.tree_flatten((args, kwargs))
+            return result
+        if not kwargs and all(isinstance(a, torch.Tensor) for a in args):  # (the common call, without pytree)
+            leaves, spec = args, len(args)
+        else:
+            leaves, spec = pytree.tree_flatten((args, kwargs))
+        held, no_grads = self._held()
+        with torch._C.DisableTorchFunctionSubclass():
+            frozen = tuple(map(_requires_grad, self.params))
         key = (
             spec,
             tuple(_describe(leaf) for leaf in leaves),
             torch.is_grad_enabled(),
+            _autocast(),
             tuple(map(_training, self.modules)),
+            frozen,
+            no_grads,
             self._hyperparameters(),
         )
-        holders = self._holders()
-        held = [h.get() for h in holders]
         program = self.programs.get(key)
-        if program is None or len(program.held) != len(held) or not all(map(operator.is_, held, program.held)):
-            program = self._trace(key, leaves, spec, holders, held)
+        if program is not None and not _same_state(held, program):
+            program = None
+        if program is None:
+            holders = self._holders()
+            program = self._trace(key, leaves, spec, holders, [h.get() for h in holders], held)
         self.programs.move_to_end(key)
         lrs = []
         for group, tensor in zip(self._lifted(), self.lr_tensors):
             lr = group["lr"]
-            if isinstance(lr, torch.Tensor):
-                lrs.append(lr)
-            else:
-                tensor.fill_(lr)
-                lrs.append(tensor)
-        state = [_part(h) for h in held if h is not None]
+            tensor.copy_(lr) if isinstance(lr, torch.Tensor) else tensor.fill_(lr)  # (the traced dtype and device)
+            lrs.append(tensor)
         inputs = [_part(leaf) for leaf in leaves if isinstance(leaf, torch.Tensor)]
-        outputs = program.run(*lrs, *state, *inputs)
+        outputs = program.run(*lrs, *program.state, *inputs)
         count = len(program.result_forms)
         values = iter(outputs[count:])
         for holder, form in program.writes:
             holder.set(None if form is None else next(values) if form == "plain" else GlobalTensor(next(values), form))
         return _results(program, outputs[:count])
 
-    def _trace(self, key, leaves, spec, holders, held) -> _Program:
+    def _trace(self, key, leaves, spec, holders, values, held) -> _Program:
         if self.traces >= _TRACES_PER_STEP:
             raise StepNotTraceable(
                 f"compile_step traced this step {self.traces} times: its arguments' shapes or layouts, the "
@@ -213,8 +267,13 @@ class CompiledStep:
         device = self.params[0]._local.device if self.params else torch.device("cpu")
         while len(self.lr_tensors) < len(groups):
             self.lr_tensors.append(torch.zeros((), dtype=torch.float64, device=device))
-        present = [(h, v) for h, v in zip(holders, held) if v is not None]
+        present = [(h, v) for h, v in zip(holders, values) if v is not None]
         arg_leaves = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        if any(leaf.requires_grad for leaf in arg_leaves):
+            raise StepNotTraceable(
+                "compile_step: an argument of the step requires grad; the program would not give it a gradient "
+                "(only the model's parameters get theirs): detach it, or make it a parameter"
+            )
         outcome = {}
 
         def program(*flat):
@@ -226,7 +285,7 @@ class CompiledStep:
                 group["lr"], group["capturable"] = lr, True
             parts = iter(inputs)
             rebuilt = [_rewrap(next(parts), leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-            call_args, call_kwargs = pytree.tree_unflatten(rebuilt, spec)
+            call_args, call_kwargs = (rebuilt, {}) if isinstance(spec, int) else pytree.tree_unflatten(rebuilt, spec)
             result = self.fn(*call_args, **call_kwargs)
             result_leaves, outcome["results"] = pytree.tree_flatten(result)
             outcome["forms"] = [_form(leaf) for leaf in result_leaves]
@@ -234,27 +293,61 @@ class CompiledStep:
             return returned + _write_back(present, state, self._holders(), outcome)
 
         examples = [*self.lr_tensors[: len(groups)], *[_part(v) for _, v in present], *map(_part, arg_leaves)]
-        with _restored(self, holders, held), comm.tracing_program(), device_draws_refused():
-            try:
+        gm, failure = None, None
+        try:
+            with _restored(self, holders, values), comm.tracing_program(), device_draws_refused():
                 gm = make_fx(program, tracing_mode="fake")(*examples)
-            except StepNotTraceable:
-                raise
-            except Exception as err:  # noqa: BLE001 - every cause is reported the same way, with its chain
-                raise StepNotTraceable(_why_not(err)) from err
-        comm.check_program(gm, "compile_step's program")
+        except Exception as err:  # noqa: BLE001 - every cause is reported the same way, with its chain
+            failure = err
+        # every rank learns whether some rank could not trace, so none waits for the others' program
+        why = None if failure is None else str(failure) if isinstance(failure, StepNotTraceable) else _why_not(failure)
+        failed = comm.check_program(gm, "compile_step's program", failed=why)
+        if failed or failure is not None:
+            raise StepNotTraceable(why or failed) from failure
         with _compiler_settings(self.backend):
             run = _backend(self.backend)(gm, examples)
-        compiled = _Program(run, held, outcome["results"], outcome["forms"], outcome["writes"])
+        forms = [_form_of(v) for v in held]
+        state, order = [_part(v) for _, v in present], [h for h, _ in present]
+        compiled = _Program(run, held, forms, state, order, outcome["results"], outcome["forms"], outcome["writes"])
         self.programs[key] = compiled
         while len(self.programs) > _KEYS_KEPT:
             self.programs.popitem(last=False)
         return compiled
 
 
+def _same_state(held: list, program: _Program) -> bool:
+    """Whether ``program`` fits the state ``held``: the tensors it last ran on (the common call), or tensors of the
+    same forms and equal numbers (an optimizer's number is a constant of the program), which it then runs on."""
+    if len(held) == len(program.held) and all(map(operator.is_, held, program.held)):
+        return True
+    if [_form_of(v) for v in held] != program.forms:
+        return False
+    program.held = held
+    program.state = [_part(v) for v in (h.get() for h in program.holders) if v is not None]
+    return True
+
+
+def _form_of(value):
+    """What a program depends on of a value the state holds: a tensor's metadata, a number's value."""
+    if isinstance(value, GlobalTensor):
+        return ("global", value._meta)
+    if isinstance(value, torch.Tensor):
+        return ("plain", tuple(value.shape), tuple(value.stride()), value.dtype, value.device)
+    return ("value", type(value), value)
+
+
+def _autocast() -> tuple:
+    """The autocast state a traced program depends on (and the default dtype, which factories read)."""
+    dtype = torch.get_default_dtype()
+    if not torch._C._is_any_autocast_enabled():
+        return (dtype,)
+    return (dtype, *((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")))
+
+
 def _describe(leaf):
     """What of an argument the traced program depends on."""
     if isinstance(leaf, GlobalTensor):
-        return ("global", leaf._meta, tuple(leaf._local.shape), leaf.requires_grad)
+        return ("global", leaf._meta, tuple(leaf._local.shape), tuple(leaf._local.stride()), leaf.requires_grad)
     if isinstance(leaf, torch.Tensor):
         return ("plain", tuple(leaf.shape), tuple(leaf.stride()), leaf.dtype, leaf.device, leaf.requires_grad)
     try:
@@ -328,6 +421,12 @@ def _restored(step: CompiledStep, holders, held):
     buffers = [dict(b) for b in step.buffer_dicts]
     try:
         yield
+        changed = _numbers_changed(step, groups, states)
+        if changed:
+            raise StepNotTraceable(
+                f"compile_step: the step changes {changed}, a number the optimizer keeps in Python; a traced program "
+                "would keep the traced value. Keep it in a tensor, or run the step eagerly"
+            )
     finally:
         for group, saved in zip(step._groups(), groups):
             group.clear()
@@ -343,8 +442,28 @@ def _restored(step: CompiledStep, holders, held):
             live.clear()
             live.update(saved)
         for holder, value in zip(holders, held):
-            if holder.kind != "entry":
+            if holder.kind in ("part", "grad"):
                 holder.set(value)
+
+
+def _numbers_changed(step: CompiledStep, groups: list, states: list) -> str | None:
+    """The first number (not a tensor) of a parameter group or optimizer state that the traced step changed."""
+    lifted = {id(g) for g in step._lifted()}
+    for group, saved in zip(step._groups(), groups):
+        for name in set(group) | set(saved):
+            if name == "params" or (id(group) in lifted and name in ("lr", "capturable")):
+                continue
+            now, was = group.get(name), saved.get(name)
+            if not isinstance(now, torch.Tensor) and not isinstance(was, torch.Tensor) and now != was:
+                return f"the parameter group's {name!r} ({was} to {now})"
+    for optimizer, saved in zip(step.optimizers, states):
+        for p in step.params:
+            now, was = optimizer.state.get(p, {}), saved.get(p, {})
+            for name in set(now) | set(was):
+                a, b = now.get(name), was.get(name)
+                if not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor) and a != b:
+                    return f"the optimizer state's {name!r} ({b} to {a})"
+    return None
 
 
 def _why_not(err: Exception) -> str:
@@ -355,7 +474,11 @@ def _why_not(err: Exception) -> str:
             "nor optimizer state: pass it as an argument"
         )
     elif "data-dependent" in text.lower() or "DataDependent" in text:
-        hint = "the step reads a value (item(), bool(), a mask's count): return it from the step instead"
+        hint = (
+            "the step, or its optimizer, reads a tensor's value as a number (item(), bool(), a mask's count, an "
+            "optimizer that takes its step count or a tensor learning rate as a number): return values from the "
+            "step instead, or run it eagerly"
+        )
     else:
         hint = "run the step eagerly, or under torch.compile, which breaks the graph where it must"
     return f"compile_step could not trace the step as one program: {hint}. ({text})"

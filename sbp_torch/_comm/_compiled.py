@@ -323,16 +323,24 @@ def tracing_program():
             compilation.restore()
 
 
-def check_program(gm, what: str) -> None:
-    """Raise ``RanksDisagree`` on every rank if the collectives of the traced programs ``gm`` of the ranks of the
-    world differ (kind, group, sizes, order); ``what`` names the program in the message."""
+def check_program(gm, what: str, failed: str | None = None) -> str | None:
+    """Compare the collectives of the traced programs ``gm`` of the ranks of the world (kind, group, sizes, order)
+    and raise ``RanksDisagree`` on every rank if they differ; ``what`` names the program in messages. A rank that
+    could not trace its program passes ``failed`` (why) instead: then every rank returns the first such rank's
+    reason, so that no rank waits for a program another will not run. None when all traced alike."""
     world = tuple(range(dist.get_world_size()))
     if len(world) < 2:
-        return
-    prints = _exchange("program", world, _collectives_of(gm), what=what)
-    problem = first_difference(dict(zip(world, prints)))
+        return failed
+    mine = ("failed", failed) if failed is not None else ("traced", _collectives_of(gm))
+    prints = _exchange("program", world, mine, what=what)
+    failures = {r: why for r, (state, why) in zip(world, prints) if state == "failed"}
+    if failures:
+        first = min(failures)
+        return f"rank(s) {sorted(failures)} could not trace {what}; rank {first}: {failures[first]}"
+    problem = first_difference({r: collectives for r, (_, collectives) in zip(world, prints)})
     if problem is not None:
         raise RanksDisagree(f"the ranks traced {what}s whose collectives differ, so they cannot run: {problem}")
+    return None
 
 
 def _on_compile_end(args) -> None:
