@@ -4,21 +4,21 @@ A step (forward, loss, backward, ``optimizer.step()``) on global tensors is trac
 every op goes through the dispatcher once, which leaves the local ops and the collectives it decided, and nothing
 of sbp_torch, in the graph. The graph's inputs are plain tensors, in a fixed order:
 
-* the learning rate of each parameter group of an optimizer with a ``capturable`` option (Adam, AdamW, ...), as a
-  0-dim tensor, so a scheduler changes it without a new trace;
+* the learning rate of each parameter group of an optimizer that takes a tensor one (``_TENSOR_LR``: Adam, AdamW,
+  ...), as a 0-dim tensor, so a scheduler changes it without a new trace;
 * the *state*: each parameter's part, its gradient's part, each module buffer and each optimizer state entry
   (a global one's part, a plain one itself);
 * the tensors among the step's arguments (a global one's part).
 
 The program updates the state in place (the optimizer's writes, and gradients copied into the tensors that held
 them on entry), so later calls pass the same tensors at the same addresses: per call, the step checks that the
-state is still held by the same tensors, reads the arguments' metadata and the optimizer's hyperparameters (the
-key of the traced program), fills the learning rates and runs the compiled program. No global tensor, guard or
-dispatch runs per parameter.
+state is still held by the same tensors (else by tensors of the same forms, which it then passes), reads the
+key of the traced program (the arguments' metadata, modes and flags, the optimizer's hyperparameters), fills
+the learning rates and runs the compiled program. No global tensor, guard or dispatch runs per parameter.
 
-A new key, or state held by other tensors (``zero_grad()`` outside the step, a loaded optimizer state), traces
-again; the first call of all runs eagerly, so that the optimizer creates its state and the model its gradients
-before the trace sees them."""
+A new key traces again; the first call of all runs eagerly, so that the optimizer creates its state and the
+model its gradients before the trace sees them.
+"""
 
 from __future__ import annotations
 
@@ -516,20 +516,21 @@ def compile_step(fn=None, *, model, optimizer=None, backend="inductor"):
     What a user may rely on:
 
     * The first call runs ``fn`` eagerly. Each later call runs one compiled program traced for its key: the
-      arguments' shapes, dtypes and layouts (non-tensor arguments by value), grad mode, each module's ``training``
-      flag, and the optimizer's hyperparameters. The learning rate of an optimizer with a ``capturable`` option
-      (Adam, AdamW, ...) is not in the key but read every call, so a scheduler does not trace again; other
-      optimizers' (SGD's) is in it. The program's collectives are checked to be the same on every rank when it is
-      traced.
+      arguments' shapes, strides, dtypes and layouts (non-tensor arguments by value), grad mode, autocast, each
+      module's ``training`` flag, which parameters require grad and which gradients are None, and the optimizer's
+      hyperparameters. The learning rate of Adam, AdamW, NAdam, RAdam, Adamax, ASGD and Rprop is not in the key
+      but read every call, so a scheduler does not trace again; other optimizers' (SGD's) is in it. The
+      program's collectives are checked to be the same on every rank when it is traced.
     * Parameters, gradients, buffers and optimizer state are updated in place; gradients stay in the tensors that
       held them on entry, as with ``zero_grad(set_to_none=False)`` (entered with none, after ``zero_grad()``
-      outside the step, the step gives them new tensors each call). When a tensor holding the state was replaced
-      since the trace (a loaded state dict), the next call traces again.
+      outside the step, the step gives them new tensors each call). State held by other tensors of the same
+      forms (a loaded state dict) is run on as it is; of other forms, it traces again.
     * Results carry no autograd history: the step has run its own backward.
     * Other Python state the step reads (a module's other attributes, globals) is fixed at trace time: after
       changing it, call ``reset()`` on the returned ``CompiledStep``.
     * A step that reads a value (``loss.item()``), or a tensor that is not an argument, a parameter, a buffer or
-      optimizer state, raises ``StepNotTraceable`` on every rank; so does drawing random global tensors on CUDA.
+      optimizer state, or changes a number the optimizer keeps in Python, or takes an argument that requires
+      grad, raises ``StepNotTraceable`` on every rank; so does drawing random global tensors on CUDA.
     """
     if fn is None:
         return lambda f: compile_step(f, model=model, optimizer=optimizer, backend=backend)
