@@ -397,3 +397,46 @@ def _changing_state():
 def test_state_that_changes_between_calls():
     traces = run_on_world(2, _changing_state)
     assert traces[0] == traces[1] and traces[0] <= 8  # one program per (head, apply, frozen) seen, no more
+
+
+def _failed_backward():
+    """A trace that fails midway through backward (a hook reads a value) leaves no gradient bucket behind: the
+    next eager step reduces its gradients as if no trace had run."""
+    torch.manual_seed(0)
+    reference = MLP(4, 6)
+    model = copy.deepcopy(reference)
+    placement = st.placement("cpu", [0, 1])
+    model.to_global(placement, B)
+    ref_opt, optimizer = _adamw(reference), _adamw(model)
+
+    def reads_in_backward(module, args, out):
+        if torch.compiler.is_compiling():  # only while compile_step traces
+            out.register_hook(lambda grad: grad * grad.sum().item())
+
+    model.up.register_forward_hook(reads_in_backward)
+
+    def train(x):
+        loss = model(x.to_global(placement, (B,), check_meta=False).to_global(sbp=(S(0),)))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    step = st.compile_step(train, model=model, optimizer=optimizer, backend=None)
+    for i in range(3):
+        (x,) = _batches(1, 6, 4, seed=i)
+        want = reference(x)
+        ref_opt.zero_grad()
+        want.backward()
+        ref_opt.step()
+        if i == 1:
+            with pytest.raises(st.StepNotTraceable):
+                step(x)
+        got = step(x) if i == 0 else train(x)  # the first call eager; then eager after the failed trace
+        torch.testing.assert_close(got.item(), want.item(), rtol=1e-5, atol=1e-6)
+        _assert_params_match(model, reference)
+    return True
+
+
+def test_a_failed_trace_leaves_no_pending_reduction():
+    assert run_on_world(2, _failed_backward) == [True, True]

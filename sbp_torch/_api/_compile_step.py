@@ -38,6 +38,7 @@ from torch.utils import _pytree as pytree
 from .. import _comm as comm
 from .._layout import device_draws_refused
 from .._tensor import GlobalTensor
+from ._gradient_reducer import drop_pending_reductions
 
 # The optimizers whose capturable arithmetic takes a tensor learning rate (the others read it as a number)
 _TENSOR_LR = (
@@ -299,6 +300,7 @@ class CompiledStep:
                 gm = make_fx(program, tracing_mode="fake")(*examples)
         except Exception as err:  # noqa: BLE001 - every cause is reported the same way, with its chain
             failure = err
+            drop_pending_reductions()  # (a backward that stopped midway left its buckets)
         # every rank learns whether some rank could not trace, so none waits for the others' program
         why = None if failure is None else str(failure) if isinstance(failure, StepNotTraceable) else _why_not(failure)
         failed = comm.check_program(gm, "compile_step's program", failed=why)

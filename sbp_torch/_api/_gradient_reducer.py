@@ -2,6 +2,8 @@
 ``.grad`` is boxed to ``gradient_sbp(param.sbp)`` (the parameter's own layout for split and broadcast
 parameters), so optimizers see gradients laid out like their parameters."""
 
+import weakref
+
 import torch
 from torch import nn
 
@@ -24,6 +26,7 @@ class GradientReducer:
         self.buckets: dict = {}
         self.in_flight: list = []
         self.flush_queued = False
+        _REDUCERS.add(self)
         for param in params:
             param.register_post_accumulate_grad_hook(self._on_accumulated)
             mark_reduced_at_use(param)
@@ -82,6 +85,18 @@ class GradientReducer:
                 part = flat[offset : offset + local.numel()].view(local.shape)
                 offset += local.numel()
                 p.grad = GlobalTensor(part, p.grad._meta.with_sbp(target))
+
+
+_REDUCERS: weakref.WeakSet = weakref.WeakSet()
+
+
+def drop_pending_reductions() -> None:
+    """Forget the buckets of a backward that raised before it ended (its end-of-backward callback never runs), so
+    that the next backward starts with none: ``compile_step`` calls it when a trace fails."""
+    for reducer in list(_REDUCERS):
+        reducer.buckets.clear()
+        reducer.in_flight.clear()
+        reducer.flush_queued = False
 
 
 def _bucket_compiled_reductions() -> None:
