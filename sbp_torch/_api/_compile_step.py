@@ -27,6 +27,7 @@ import dataclasses
 import operator
 from collections import OrderedDict
 from collections.abc import Callable
+from itertools import chain, repeat
 from typing import Any, NamedTuple
 
 import torch
@@ -54,6 +55,7 @@ _TRACES_PER_STEP = 16  # a step traced more often than this is re-laid out every
 _KEYS_KEPT = 8  # traced programs kept per step (one per argument shape, in a loop with a few)
 _grad_of = torch._C.TensorBase.grad.__get__
 _training = operator.attrgetter("training")
+_local_of = operator.attrgetter("_local")
 _requires_grad = operator.attrgetter("requires_grad")
 _set_grad = torch._C.TensorBase.grad.__set__
 
@@ -158,16 +160,16 @@ class CompiledStep:
         operations, with no dispatch: the per-call check that a program still fits the state. And which gradients
         are None (part of the key: gradients accumulate into tensors, or start from none)."""
         params = self.params
-        held = [p._local for p in params]
+        held = list(map(_local_of, params))
         with torch._C.DisableTorchFunctionSubclass():
             grads = list(map(_grad_of, params))
         held += grads
-        held += [g._local for g in grads if isinstance(g, GlobalTensor)]
-        values = [v for buffers in self.buffer_dicts for v in buffers.values()]
+        held += map(getattr, grads, repeat("_local"), grads)  # (C-level loops: this runs every call)
+        values = list(chain.from_iterable(map(dict.values, self.buffer_dicts)))
         for optimizer in self.optimizers:
-            values += [v for state in optimizer.state.values() for v in state.values()]
+            values += chain.from_iterable(map(dict.values, optimizer.state.values()))
         held += values
-        held += [getattr(v, "_local", v) for v in values]  # (a global value's part may change: transpose_)
+        held += map(getattr, values, repeat("_local"), values)  # (a global value's part may change: transpose_)
         return held, tuple(g is None for g in grads)
 
     def _holders(self) -> list[_Holder]:
