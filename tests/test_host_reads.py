@@ -90,6 +90,7 @@ class _HostReads(TorchDispatchMode):
         super().__init__()
         self.reads = []
         self.beneath = 0
+        self.seen = 0  # every op on plain tensors
 
     def record(self, what: str, frame) -> None:
         self.reads.append((what, traceback.extract_stack(frame)))
@@ -101,6 +102,7 @@ class _HostReads(TorchDispatchMode):
         if any(issubclass(t, GlobalTensor) for t in types):
             return NotImplemented  # GlobalTensor runs the call; its ops on the local parts come back here
         caller = sys._getframe(1)
+        self.seen += 1
         if _from_sbp_torch(caller):
             self.beneath += 1
         if func in READS or (func in READS_WITH and READS_WITH[func](args, kwargs)):
@@ -188,3 +190,39 @@ def test_a_global_step_reads_no_value_that_the_plain_step_does_not(name):
     ((ours, beneath),) = run_on_world(1, reads_of_global_steps, name, _timeout=300)
     assert beneath > 100, f"the counter saw {beneath} ops beneath the global tensors: it no longer sees them"
     assert not ours, f"{len(ours)} reads of sbp_torch's in {STEPS - 1} steps:\n\n" + "\n\n".join(ours)
+
+
+def reads_of_compiled_steps(name: str) -> tuple[list[str], int]:
+    """(The reads of ``compile_step``'s calls after the one that traced (the program alone), each with its stack;
+    how many ops the counter saw.)"""
+    import sbp_torch as st
+    from benchmarks.suites import gpt_cuda
+
+    c = gpt_cuda.config(cuda=False, quick=True)
+    generator = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, c["vocab"], (c["batch"], c["seq"]), generator=generator) for _ in range(STEPS)]
+    model, loss_of = gpt_cuda.make_model(name, c, "cpu")
+    model, lay_out, _ = gpt_cuda.laid_out("sbp_torch", model, "cpu")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+
+    @st.compile_step(model=model, optimizer=optimizer, backend=None)  # the graph run as traced: its ops are seen
+    def step(ids):
+        loss = loss_of(model, lay_out(ids))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+        return loss
+
+    reads = _HostReads()
+    for i, ids in enumerate(batches):
+        with _counting(reads) if i > 1 else contextlib.nullcontext():  # the first runs eagerly, the second traces
+            step(ids)
+    return [f"{what}:\n{''.join(traceback.format_list(stack[-8:]))}" for what, stack in reads.reads], reads.seen
+
+
+@pytest.mark.gloo
+def test_a_compiled_step_reads_no_value():
+    """``compile_step``'s program reads nothing to the host, not even the step counts that AdamW reads eagerly."""
+    ((reads, seen),) = run_on_world(1, reads_of_compiled_steps, "GPT example", _timeout=300)
+    assert seen > 100, f"the counter saw {seen} ops of the program: it no longer sees them"
+    assert not reads, f"{len(reads)} reads in {STEPS - 2} compiled steps:\n\n" + "\n\n".join(reads)
