@@ -440,3 +440,42 @@ def _failed_backward():
 
 def test_a_failed_trace_leaves_no_pending_reduction():
     assert run_on_world(2, _failed_backward) == [True, True]
+
+
+class Counting(MLP):
+    """An MLP that registers a buffer on its first call and counts its calls in it."""
+
+    def forward(self, x):
+        if "calls" not in self._buffers:
+            self.register_buffer("calls", torch.zeros(()))
+        self.calls.add_(1)
+        return super().forward(x)
+
+
+def _late_buffer_and_inner_scheduler():
+    placement = st.placement("cpu", [0, 1])
+    model = Counting(4, 4).to_global(placement, {"up.weight": S(0)})
+    optimizer = _adamw(model)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5)
+
+    def train(x, schedule: bool):
+        loss = model(x.to_global(placement, (B,), check_meta=False).to_global(sbp=(S(0),)))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if schedule:
+            scheduler.step()
+        return loss
+
+    step = st.compile_step(train, model=model, optimizer=optimizer, backend=None)
+    (x,) = _batches(1, 3, 4)
+    for _ in range(4):
+        step(x, False)
+    counted = model.calls.full_tensor().item()  # the trace counts nothing: 4 calls, 4 counts
+    with pytest.raises(st.StepNotTraceable, match="sets the learning rate"):
+        step(x, True)
+    return counted, optimizer.param_groups[0]["lr"]
+
+
+def test_a_late_buffer_is_state_and_a_scheduler_inside_is_refused():
+    assert run_on_world(2, _late_buffer_and_inner_scheduler) == [(4.0, 1e-2)] * 2

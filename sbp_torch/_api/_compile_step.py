@@ -139,21 +139,26 @@ class CompiledStep:
 
     def __init__(self, fn, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], backend):
         self.fn, self.models, self.optimizers, self.backend = fn, models, optimizers, backend
-        self.params = list(dict.fromkeys(p for m in models for p in m.parameters()))
-        plain = [p for p in self.params if not isinstance(p, GlobalTensor)]
-        if plain:
-            raise TypeError(
-                f"compile_step: {len(plain)} parameter(s) of the model are plain tensors; lay the whole model out "
-                "with Module.to_global first (a plain parameter has no part to trace)"
-            )
-        self.modules = [m for model in models for m in model.modules()]
-        self.buffer_dicts = [m._buffers for m in self.modules if m._buffers]
+        self._collect()
         self.programs: OrderedDict = OrderedDict()
         self.lr_tensors: list[torch.Tensor] = []
         self.traces = 0
         self.called = False
 
     # -- what the state is ---------------------------------------------------------------------------------------
+    def _collect(self) -> None:
+        """The modules, parameters and buffer dicts of the models: when the step is made, and again after its first
+        (eager) call, which may register more (lazy modules, caches)."""
+        self.params = list(dict.fromkeys(p for m in self.models for p in m.parameters()))
+        plain = [p for p in self.params if not isinstance(p, GlobalTensor)]
+        if plain:
+            raise TypeError(
+                f"compile_step: {len(plain)} parameter(s) of the model are plain tensors; lay the whole model out "
+                "with Module.to_global first (a plain parameter has no part to trace)"
+            )
+        self.modules = [m for model in self.models for m in model.modules()]
+        self.buffer_dicts = [m._buffers for m in self.modules]  # (empty ones too: a buffer may come later)
+
     def _held(self) -> tuple[list, tuple]:
         """Everything the state's holders hold, in a fixed order: each parameter's part, each gradient and its
         part, each buffer and optimizer state value (numbers too) and, for a global one, its part. Built by list
@@ -166,8 +171,11 @@ class CompiledStep:
         held += grads
         held += map(getattr, grads, repeat("_local"), grads)  # (C-level loops: this runs every call)
         values = list(chain.from_iterable(map(dict.values, self.buffer_dicts)))
+        names = list(chain.from_iterable(map(dict.keys, self.buffer_dicts)))
         for optimizer in self.optimizers:
             values += chain.from_iterable(map(dict.values, optimizer.state.values()))
+            names += chain.from_iterable(map(dict.keys, optimizer.state.values()))
+        held += names  # (a value under another name is another holder)
         held += values
         held += map(getattr, values, repeat("_local"), values)  # (a global value's part may change: transpose_)
         return held, tuple(g is None for g in grads)
@@ -221,6 +229,7 @@ class CompiledStep:
         if not self.called:  # the optimizer's state and the gradients appear here, before any trace
             result = self.fn(*args, **kwargs)
             self.called = True
+            self._collect()
             return result
         if not kwargs and all(isinstance(a, torch.Tensor) for a in args):  # (the common call, without pytree)
             leaves, spec = args, len(args)
@@ -260,11 +269,6 @@ class CompiledStep:
         return _results(program, outputs[:count])
 
     def _trace(self, key, leaves, spec, holders, values, held) -> _Program:
-        if self.traces >= _TRACES_PER_STEP:
-            raise StepNotTraceable(
-                f"compile_step traced this step {self.traces} times: its arguments' shapes or layouts, the "
-                "optimizer's hyperparameters, or the tensors holding the state change from call to call"
-            )
         self.traces += 1
         groups = self._lifted()
         device = self.params[0]._local.device if self.params else torch.device("cpu")
@@ -272,11 +276,6 @@ class CompiledStep:
             self.lr_tensors.append(torch.zeros((), dtype=torch.float64, device=device))
         present = [(h, v) for h, v in zip(holders, values) if v is not None]
         arg_leaves = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-        if any(leaf.requires_grad for leaf in arg_leaves):
-            raise StepNotTraceable(
-                "compile_step: an argument of the step requires grad; the program would not give it a gradient "
-                "(only the model's parameters get theirs): detach it, or make it a parameter"
-            )
         outcome = {}
 
         def program(*flat):
@@ -289,17 +288,26 @@ class CompiledStep:
             parts = iter(inputs)
             rebuilt = [_rewrap(next(parts), leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
             call_args, call_kwargs = (rebuilt, {}) if isinstance(spec, int) else pytree.tree_unflatten(rebuilt, spec)
+            versions = [lr._version for lr in lrs]
             result = self.fn(*call_args, **call_kwargs)
+            if [lr._version for lr in lrs] != versions or any(g["lr"] is not lr for g, lr in zip(groups, lrs)):
+                raise StepNotTraceable(
+                    "compile_step: the step sets the learning rate (a scheduler's step() inside it?); the program "
+                    "reads it from the parameter group at each call: change it outside the step"
+                )
             result_leaves, outcome["results"] = pytree.tree_flatten(result)
             outcome["forms"] = [_form(leaf) for leaf in result_leaves]
             returned = [_part(leaf) for leaf in result_leaves if isinstance(leaf, torch.Tensor)]
             return returned + _write_back(present, state, self._holders(), outcome)
 
         examples = [*self.lr_tensors[: len(groups)], *[_part(v) for _, v in present], *map(_part, arg_leaves)]
-        gm, failure = None, None
+        gm, run, failure = None, None, None
         try:
+            _refuse_before_tracing(self.traces, arg_leaves)
             with _restored(self, holders, values), comm.tracing_program(), device_draws_refused():
                 gm = make_fx(program, tracing_mode="fake")(*examples)
+            with _compiler_settings(self.backend):
+                run = _backend(self.backend)(gm, examples)
         except Exception as err:  # noqa: BLE001 - every cause is reported the same way, with its chain
             failure = err
             drop_pending_reductions()  # (a backward that stopped midway left its buckets)
@@ -308,8 +316,6 @@ class CompiledStep:
         failed = comm.check_program(gm, "compile_step's program", failed=why)
         if failed or failure is not None:
             raise StepNotTraceable(why or failed) from failure
-        with _compiler_settings(self.backend):
-            run = _backend(self.backend)(gm, examples)
         forms = [_form_of(v) for v in held]
         state, order = [_part(v) for _, v in present], [h for h, _ in present]
         compiled = _Program(run, held, forms, state, order, outcome["results"], outcome["forms"], outcome["writes"])
@@ -319,6 +325,20 @@ class CompiledStep:
         return compiled
 
 
+def _refuse_before_tracing(traces: int, arg_leaves: list) -> None:
+    """Raise what refuses a trace before it starts (inside the exchange that tells the other ranks)."""
+    if traces > _TRACES_PER_STEP:
+        raise StepNotTraceable(
+            f"compile_step traced this step {traces - 1} times: its arguments' shapes or layouts, the optimizer's "
+            "hyperparameters, or the forms of the tensors holding the state change from call to call"
+        )
+    if any(leaf.requires_grad for leaf in arg_leaves):
+        raise StepNotTraceable(
+            "compile_step: an argument of the step requires grad; the program would not give it a gradient (only "
+            "the model's parameters get theirs): detach it, or make it a parameter"
+        )
+
+
 def _same_state(held: list, program: _Program) -> bool:
     """Whether ``program`` fits the state ``held``: the tensors it last ran on (the common call), or tensors of the
     same forms and equal numbers (an optimizer's number is a constant of the program), which it then runs on."""
@@ -326,8 +346,10 @@ def _same_state(held: list, program: _Program) -> bool:
         return True
     if [_form_of(v) for v in held] != program.forms:
         return False
-    program.held = held
-    program.state = [_part(v) for v in (h.get() for h in program.holders) if v is not None]
+    state = [_part(v) for v in (h.get() for h in program.holders) if v is not None]
+    if len(state) != len(program.holders):
+        return False
+    program.held, program.state = held, state
     return True
 
 
