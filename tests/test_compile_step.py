@@ -479,3 +479,29 @@ def _late_buffer_and_inner_scheduler():
 
 def test_a_late_buffer_is_state_and_a_scheduler_inside_is_refused():
     assert run_on_world(2, _late_buffer_and_inner_scheduler) == [(4.0, 1e-2)] * 2
+
+
+def _refused_on_one_rank():
+    import torch.distributed as dist
+
+    placement = st.placement("cpu", [0, 1])
+    model = MLP(4, 4).to_global(placement, B)
+    optimizer = _adamw(model)
+
+    @st.compile_step(model=model, optimizer=optimizer, backend=None)
+    def step(x):
+        loss = model(x.to_global(placement, (B,), check_meta=False))
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    step(torch.ones(3, 4))
+    with pytest.raises(st.StepNotTraceable) as err:  # rank 0's argument requires grad, rank 1's does not
+        step(torch.ones(3, 4).requires_grad_(dist.get_rank() == 0))
+    return str(err.value)
+
+
+def test_a_refusal_on_one_rank_reaches_every_rank():
+    messages = run_on_world(2, _refused_on_one_rank)
+    assert messages[0].startswith("compile_step: an argument of the step requires grad")
+    assert messages[1].startswith("rank(s) [0] could not trace compile_step's program; rank 0: compile_step: an")
