@@ -195,7 +195,6 @@ def test_a_global_step_reads_no_value_that_the_plain_step_does_not(name):
 def reads_of_compiled_steps(name: str) -> tuple[list[str], int]:
     """(The reads of ``compile_step``'s calls after the one that traced (the program alone), each with its stack;
     how many ops the counter saw.)"""
-    import sbp_torch as st
     from benchmarks.suites import gpt_cuda
 
     c = gpt_cuda.config(cuda=False, quick=True)
@@ -204,15 +203,7 @@ def reads_of_compiled_steps(name: str) -> tuple[list[str], int]:
     model, loss_of = gpt_cuda.make_model(name, c, "cpu")
     model, lay_out, _ = gpt_cuda.laid_out("sbp_torch", model, "cpu")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
-
-    @st.compile_step(model=model, optimizer=optimizer, backend=None)  # the graph run as traced: its ops are seen
-    def step(ids):
-        loss = loss_of(model, lay_out(ids))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=False)
-        return loss
-
+    step = gpt_cuda.whole_step(model, loss_of, lay_out, optimizer, None)  # the graph run as traced: its ops are seen
     reads = _HostReads()
     for i, ids in enumerate(batches):
         with _counting(reads) if i > 1 else contextlib.nullcontext():  # the first runs eagerly, the second traces

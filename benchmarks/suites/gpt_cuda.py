@@ -140,14 +140,12 @@ def _measure_variant(name: str, library: str, how: str, c: dict, device: str, ba
     return {"first_steps_s": round(first_s, 2), "losses": losses, **stat}
 
 
-def _measure_whole_step(model, loss_of, lay_out, c: dict, batches: list, sync) -> dict:
-    """The step, batch layout included, as one program by ``sbp_torch.compile_step`` (its first call runs eagerly,
-    its second traces and compiles: both are in ``first_steps_s``)."""
+def whole_step(model, loss_of, lay_out, optimizer, backend):
+    """The training step (batch layout, forward, backward, optimizer step) as one program by
+    ``sbp_torch.compile_step`` with ``backend``."""
     import sbp_torch as st
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-
-    @st.compile_step(model=model, optimizer=optimizer, backend="inductor")
+    @st.compile_step(model=model, optimizer=optimizer, backend=backend)
     def step(ids):
         loss = loss_of(model, lay_out(ids))
         loss.backward()
@@ -155,6 +153,14 @@ def _measure_whole_step(model, loss_of, lay_out, c: dict, batches: list, sync) -
         optimizer.zero_grad(set_to_none=False)
         return loss
 
+    return step
+
+
+def _measure_whole_step(model, loss_of, lay_out, c: dict, batches: list, sync) -> dict:
+    """``whole_step`` with Inductor (its first call runs eagerly, its second traces and compiles: both are in
+    ``first_steps_s``)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    step = whole_step(model, loss_of, lay_out, optimizer, "inductor")
     start = time.perf_counter()
     losses = [float(_plain(step(ids)).detach()) for ids in batches]
     first_s = time.perf_counter() - start
