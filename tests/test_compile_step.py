@@ -9,6 +9,7 @@ state replaced outside the step) and check the retrace, or break the rules and c
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.util
 import pathlib
 
@@ -159,16 +160,13 @@ def _gpt_training(mode):
     optimizer = gpt.make_optimizer(model)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 2, 0.5)
     whole = (B,) * placement.ndim
-
-    @st.compile_step(model=model, optimizer=optimizer, backend=None)
-    def step(idx, targets):
-        layout = lambda t: t.to_global(placement, whole, check_meta=False).to_global(sbp=batch_sbp)  # noqa: E731
-        loss = model(layout(idx), layout(targets))
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        return loss
-
+    layout = lambda t: t.to_global(placement, whole, check_meta=False).to_global(sbp=batch_sbp)  # noqa: E731
+    step = st.compile_step(
+        functools.partial(gpt.step_loss, model, optimizer, layout=layout),
+        model=model,
+        optimizer=optimizer,
+        backend=None,
+    )
     got = []
     for idx, targets in batches:
         got.append(step(idx, targets).item())

@@ -20,6 +20,7 @@ hand-written program in steps/s.
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import time
 
@@ -78,23 +79,14 @@ def _handwritten(gpt, model, mode):
 
 
 def _whole_step(gpt, model, mode):
-    """The step as one program: ``sbp_torch.compile_step`` with Inductor, the batch laid out inside it."""
-    placement, plan, batch_sbp = gpt.plans(dist.get_world_size())[mode]
-    model.to_global(placement, plan)
-    optimizer = gpt.make_optimizer(model)
-    replicated = (st.sbp.broadcast,) * placement.ndim
-
-    def layout(t):
-        return t.to_global(placement, replicated, check_meta=False).to_global(sbp=batch_sbp)
-
-    @st.compile_step(model=model, optimizer=optimizer, backend="inductor")
-    def step(idx, targets):
-        loss = model(layout(idx), layout(targets))
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        return loss
-
+    """The example's step as one program: ``sbp_torch.compile_step`` with Inductor, the batch laid out inside it."""
+    optimizer, layout = train.sbp_torch_layout(gpt, model, mode)
+    step = st.compile_step(
+        functools.partial(gpt.step_loss, model, optimizer, layout=layout),
+        model=model,
+        optimizer=optimizer,
+        backend="inductor",
+    )
     return lambda idx, targets: step(idx, targets).item()
 
 

@@ -107,15 +107,20 @@ def _collectives_per_step(step, batch) -> dict[str, int]:
     return dict(kinds.most_common())
 
 
-def sbp_torch_step(gpt, model, mode: str):
+def sbp_torch_layout(gpt, model, mode: str):
+    """(The optimizer of ``model`` laid out for ``mode``, in place; the function that lays out a batch.)"""
     placement, plan, batch_sbp = gpt.plans(dist.get_world_size())[mode]
     model.to_global(placement, plan)
-    optimizer = gpt.make_optimizer(model)
     replicated = (broadcast,) * placement.ndim
 
     def layout(t):
         return t.to_global(placement, replicated, check_meta=False).to_global(sbp=batch_sbp)
 
+    return gpt.make_optimizer(model), layout
+
+
+def sbp_torch_step(gpt, model, mode: str):
+    optimizer, layout = sbp_torch_layout(gpt, model, mode)
     return lambda idx, targets: gpt.train_step(model, optimizer, idx, targets, layout)
 
 

@@ -429,7 +429,7 @@ def _write_back(present, state, holders_after, outcome) -> list:
             _, was, part = entry[ident]
             if _part(now) is part:
                 continue
-            if holder.kind == "part" or _same_form(_rewrap(part, was), now):
+            if holder.kind == "part" or _same_form(was, now):
                 part.copy_(_part(now))
                 continue
         writes.append((holder, now._meta if isinstance(now, GlobalTensor) else "plain"))
