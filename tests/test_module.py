@@ -140,6 +140,40 @@ def test_sharded_parameters_reduce_scatter_their_gradients_in_buckets(mesh, inpu
         assert together < alone, (together, alone)
 
 
+def _backward_that_raises(bucket_mb):
+    """A backward that raises midway (a hook on an activation, after the last layer's gradients have gone into
+    a bucket), caught by the user, then steps that go on as usual: their gradients are reduced as in one process."""
+    p = st.placement("cpu", [0, 1])
+    reference = _mlp()
+    model = copy.deepcopy(reference).to_global(p, broadcast, bucket_mb=bucket_mb)
+    ref_opt = OPTIMIZERS["sgd"](reference.parameters(), True)
+    optimizer = OPTIMIZERS["sgd"](model.parameters(), True)
+    to_input = lambda t: t.to_global(p, (broadcast,)).to_global(sbp=(split(0),))  # noqa: E731
+
+    def raising(grad):
+        raise RuntimeError("a hook failed")
+
+    x, y = _batches(1)[0]
+    hidden = model[1](model[0](to_input(x)))
+    hidden.register_hook(raising)
+    loss = nn.functional.mse_loss(model[2](hidden), to_input(y))
+    with pytest.raises(RuntimeError, match="a hook failed"):
+        loss.backward()
+    optimizer.zero_grad()
+    want = _train(reference, _batches(), ref_opt)
+    got = _train(model, _batches(), optimizer, to_input)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6)
+    for a, b in zip(reference.parameters(), model.parameters()):
+        torch.testing.assert_close(b.full_tensor(), a.detach(), rtol=1e-5, atol=1e-6)
+    return True
+
+
+@pytest.mark.parametrize("bucket_mb", [25.0, 1e-9])
+def test_a_backward_that_raised_leaves_later_steps_reduced(bucket_mb):
+    """With one bucket the failed backward leaves it pending; with tiny buckets it leaves all-reduces in flight."""
+    assert run_on_world(2, _backward_that_raises, bucket_mb) == [True, True]
+
+
 def _tied_and_errors():
     p = st.placement("cpu", [0, 1])
     emb = nn.Embedding(5, 4)

@@ -293,6 +293,6 @@ def module_from_dtensor(module: nn.Module, *, bucket_mb: float = 25.0) -> nn.Mod
     params = _convert_module(module, DTensor, from_dtensor, lambda grad: _global(grad, "module_from_dtensor"))
     params = [p for p in params if p.requires_grad]
     if params:
-        GradientReducer(params, bucket_mb)
+        GradientReducer(params, bucket_mb, module)
     ForwardInGlobalMode.install(module)
     return module

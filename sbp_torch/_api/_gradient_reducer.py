@@ -19,14 +19,19 @@ class GradientReducer:
     fills during backward starts its all-reduce at once (asynchronously) and backward goes on; at the end of
     backward the remaining buckets start, then every bucket is waited for in the order it started (the same on
     every rank) and its gradients take their reduced values. A reduce-scatter bucket runs (synchronously) when
-    it is started, in the same order."""
+    it is started, in the same order.
 
-    def __init__(self, params: list[nn.Parameter], bucket_mb: float):
+    A backward that raises never reaches its end, and leaves its buckets behind: the next call of ``module``
+    outside a backward drops them (as DDP resets at each forward), so a user who catches the error and goes on
+    gets the next backward's gradients reduced as usual."""
+
+    def __init__(self, params: list[nn.Parameter], bucket_mb: float, module: nn.Module):
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.buckets: dict = {}
         self.in_flight: list = []
         self.flush_queued = False
         _REDUCERS.add(self)
+        module.register_forward_pre_hook(self._drop_if_left_behind)
         for param in params:
             param.register_post_accumulate_grad_hook(self._on_accumulated)
             mark_reduced_at_use(param)
@@ -52,6 +57,19 @@ class GradientReducer:
         if not self.flush_queued:
             self.flush_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_all)
+
+    def _drop_if_left_behind(self, module: nn.Module, args) -> None:
+        # outside any backward (no graph task runs), an end of backward still queued is one that never came;
+        # a forward recomputed by checkpointing runs inside a backward and keeps its buckets
+        if self.flush_queued and torch._C._current_graph_task_id() == -1:
+            self.drop_pending()
+
+    def drop_pending(self) -> None:
+        """Forget the buckets of a backward that raised before it ended (its end-of-backward callback never ran).
+        Its all-reduces already started finish on their own; their results are not used."""
+        self.buckets.clear()
+        self.in_flight.clear()
+        self.flush_queued = False
 
     def _start(self, key) -> None:
         """Start bucket ``key``: its first all-reduce (later axes run when it finishes), or its reduce-scatter."""
@@ -91,12 +109,10 @@ _REDUCERS: weakref.WeakSet = weakref.WeakSet()
 
 
 def drop_pending_reductions() -> None:
-    """Forget the buckets of a backward that raised before it ended (its end-of-backward callback never runs), so
-    that the next backward starts with none: ``compile_step`` calls it when a trace fails."""
+    """Forget every reducer's buckets of a backward that raised before it ended, so that the next backward starts
+    with none: ``compile_step`` calls it when a trace fails, as its next call may run no forward of the module."""
     for reducer in list(_REDUCERS):
-        reducer.buckets.clear()
-        reducer.in_flight.clear()
-        reducer.flush_queued = False
+        reducer.drop_pending()
 
 
 def _bucket_compiled_reductions() -> None:

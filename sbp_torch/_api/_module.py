@@ -127,7 +127,7 @@ def module_to_global(
         if isinstance(new, nn.Parameter) and new.requires_grad and all(new is not p for p in params):
             params.append(new)
     if params:
-        GradientReducer(params, bucket_mb)
+        GradientReducer(params, bucket_mb, module)
     ForwardInGlobalMode.install(module)
     install_expert_regions(module)
     modules = dict(module.named_modules())
