@@ -5,7 +5,6 @@ global tensors without binding (``at``, ``substitute``). A slot is ``(position o
 aten arguments nest at most one list deep."""
 
 import itertools
-from functools import cached_property
 
 import torch
 
@@ -84,6 +83,20 @@ def by_name(schema: OpSchema, args, kwargs) -> dict:
     return named
 
 
+class _memo:
+    """``functools.cached_property`` without its lock (Python 3.11 takes one on every first read, a good part of
+    binding a call): a ``BoundCall`` belongs to one thread."""
+
+    def __init__(self, compute):
+        self.compute, self.name, self.__doc__ = compute, compute.__name__, compute.__doc__
+
+    def __get__(self, instance, owner=None):
+        if instance is None:
+            return self
+        value = instance.__dict__[self.name] = self.compute(instance)  # later reads find it before this descriptor
+        return value
+
+
 class BoundCall:
     """``slots`` and ``tensors``: every global tensor argument and where it is, in argument order (a tensor passed
     twice appears twice: each occurrence gets its own layout), which ``inputs``, ``outs`` and ``written`` index;
@@ -95,25 +108,25 @@ class BoundCall:
         self.key = key if key is not None else call_key(func, self.schema, args, kwargs)
         self.slots, self.tensors, self.plain = find_tensors(args, kwargs)
 
-    @cached_property
+    @_memo
     def by_name(self) -> dict:
         return by_name(self.schema, self.args, self.kwargs)
 
-    @cached_property
+    @_memo
     def _names(self) -> list[str]:
         return [self.schema.name_of(where) for where, _ in self.slots]
 
-    @cached_property
+    @_memo
     def inputs(self) -> tuple[int, ...]:
         """Indices of the tensors the op reads: all but ``out=`` tensors."""
         return tuple(i for i, name in enumerate(self._names) if name not in self.schema.outs)
 
-    @cached_property
+    @_memo
     def outs(self) -> tuple[int, ...]:
         """Indices of the ``out=`` tensors."""
         return tuple(i for i, name in enumerate(self._names) if name in self.schema.outs)
 
-    @cached_property
+    @_memo
     def written(self) -> tuple[int, ...]:
         """Indices of the tensors the op writes into: the schema's, and ``UNMARKED_WRITES`` when its flag is on."""
         names = self.schema.written

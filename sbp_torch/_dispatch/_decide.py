@@ -74,36 +74,60 @@ def _plain_tensor_slots(bound: BoundCall) -> list[tuple[str, int | None]]:
     return slots
 
 
-def _resolve(signature: Signature, bound: BoundCall, inputs: list[GlobalTensor], outputs: list[TensorInfo]):
-    """The signature as a ``_Resolved`` for this call, or None where it does not fit: a plain tensor asked to be laid
-    out otherwise than broadcast, another number of outputs, a split of a dim the tensor lacks, a partial its dtype
-    cannot hold. A global input the signature does not name is a defect of the rule: an error."""
-    for name, index in _plain_tensor_slots(bound):
-        if signature.sbp_of(name, index) not in (None, broadcast):
+@dataclass(frozen=True)
+class _CallFacts:
+    """What resolving a signature reads of a call, gathered once per decision: each plain tensor's (name, index),
+    each global input's (name, index), how many tensor outputs there are, and the (ndim, dtype) of each global input,
+    then of each output."""
+
+    plain: list
+    inputs: list
+    outputs: int
+    tensors: list
+
+    @staticmethod
+    def of(bound: BoundCall, inputs: list[GlobalTensor], outputs: list[TensorInfo]) -> "_CallFacts":
+        name_of = bound.schema.name_of
+        named = [(name_of(where), index) for where, index in (bound.slots[i] for i in bound.inputs)]
+        tensors = [(g.dim(), g.dtype) for g in inputs] + [(o.ndim, o.dtype) for o in outputs]
+        return _CallFacts(_plain_tensor_slots(bound), named, len(outputs), tensors)
+
+
+def _input_sbps(signature: Signature, call: _CallFacts, func) -> tuple | None:
+    """The SBP the signature asks of each global input, or None where it asks a plain tensor to be laid out otherwise
+    than broadcast. A global input the signature does not name is a defect of the rule: an error."""
+    sbp_of = signature.sbp_of
+    for name, index in call.plain:
+        if sbp_of(name, index) not in (None, broadcast):
             return None
     sbps = []
-    for i in bound.inputs:
-        where, index = bound.slots[i]
-        sbp = signature.sbp_of(bound.schema.name_of(where), index)
+    for name, index in call.inputs:
+        sbp = sbp_of(name, index)
         if sbp is None:
             raise RuntimeError(
-                f"sbp_torch internal error: a signature of the rule of {bound.func} names no SBP for argument "
-                f"{bound.schema.name_of(where)!r}: {signature}"
+                f"sbp_torch internal error: a signature of the rule of {func} names no SBP for argument "
+                f"{name!r}: {signature}"
             )
         sbps.append(sbp)
-    out_sbps = signature.output_sbps(len(outputs))
-    if len(out_sbps) != len(outputs):
+    return tuple(sbps)
+
+
+def _resolve(signature: Signature, call: _CallFacts, sbps: tuple) -> _Resolved | None:
+    """The signature, asking ``sbps`` of the global inputs, as a ``_Resolved`` for this call, or None where it does
+    not fit: another number of outputs, a split of a dim the tensor lacks, a partial its dtype cannot hold."""
+    out_sbps = signature.output_sbps(call.outputs)
+    if len(out_sbps) != call.outputs:
         return None
-    tensors = [(g.dim(), g.dtype) for g in inputs] + [(o.ndim, o.dtype) for o in outputs]
-    for s, (ndim, dtype) in zip(sbps + list(out_sbps), tensors):
-        if isinstance(s, Split) and not 0 <= s.dim < ndim:
-            return None
-        if isinstance(s, Partial):
+    for s, (ndim, dtype) in zip(sbps + tuple(out_sbps), call.tensors):
+        if isinstance(s, Split):
+            if not 0 <= s.dim < ndim:
+                return None
+        elif isinstance(s, Partial):
             try:
                 check_partial_dtype(s, dtype)
             except TypeError:
                 return None
-    return _Resolved(tuple(sbps), tuple(out_sbps), signature)
+    return _Resolved(sbps, tuple(out_sbps), signature)
 
 
 def _partial_allowed(combo, inputs: list[GlobalTensor]) -> bool:
@@ -157,7 +181,8 @@ def decide(bound: BoundCall) -> Decision:
     except UnknownOutputs as why:
         raise NoSignature(str(why)) from why
     call.outputs = tuple(outputs)
-    one_d = list(filter(None, (_resolve(s, bound, inputs, outputs) for s in rule.offered(call))))
+    facts = _CallFacts.of(bound, inputs, outputs)
+    offered = [(s, sbps) for s in rule.offered(call) if (sbps := _input_sbps(s, facts, bound.func)) is not None]
     written = {id(bound.tensors[i]) for i in bound.written}
     written_inputs = [k for k, g in enumerate(inputs) if id(g) in written]
     aliased_outputs = _outputs_aliasing_inputs(bound, inputs)
@@ -185,12 +210,17 @@ def decide(bound: BoundCall) -> Decision:
     # The first valid signature that keeps every input's layout costs nothing and changes nothing, so none can
     # beat it (costs are never negative; ties go to fewer changes, then the rule's order): found among those
     # that keep the layouts on every axis (in the full product's order), it is taken without costing the
-    # others (on a new shape, each cost is an N-D boxing search).
-    keeping = [[s for s in one_d if s.inputs == tuple(g.sbp[axis] for g in inputs)] for axis in range(placement.ndim)]
+    # others (on a new shape, each cost is an N-D boxing search), nor resolving the signatures that change a layout.
+    keeping = []
+    for axis in range(placement.ndim):
+        current = tuple(g.sbp[axis] for g in inputs)
+        resolved = (_resolve(s, facts, sbps) for s, sbps in offered if sbps == current)
+        keeping.append([r for r in resolved if r is not None])
     kept = next(filter(None, map(candidate, itertools.product(*keeping))), None)
     if kept is not None and not _joins_partial(kept[0], inputs):
         candidates = [kept]
     else:
+        one_d = [r for r in (_resolve(s, facts, sbps) for s, sbps in offered) if r is not None]
         candidates = list(filter(None, map(candidate, itertools.product(one_d, repeat=placement.ndim))))
     best = None
     for combo, targets, out_sbps in candidates:
@@ -220,14 +250,10 @@ def _outputs_aliasing_inputs(bound: BoundCall, inputs: list[GlobalTensor]) -> li
     """(output index, input index) for each tensor output that the schema says is a written input (the
     ``self`` that ``add_`` returns), which must keep that input's layout."""
     named = bound.by_name
-    by_alias = {}
-    for a in bound.func._schema.arguments:
-        if a.alias_info is not None and a.alias_info.is_write and isinstance(named.get(a.name), GlobalTensor):
-            by_alias[frozenset(a.alias_info.before_set)] = named[a.name]
     pairs = []
-    for j, r in enumerate(bound.func._schema.returns):
-        if r.alias_info is not None and r.alias_info.is_write:
-            g = by_alias.get(frozenset(r.alias_info.before_set))
+    for j, name in bound.schema.written_returns:
+        g = named.get(name)
+        if isinstance(g, GlobalTensor):
             index = next((i for i, x in enumerate(inputs) if x is g), None)
             if index is not None:
                 pairs.append((j, index))

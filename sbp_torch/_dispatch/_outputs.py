@@ -40,16 +40,48 @@ def _tiny(value):
     return value
 
 
+def _simple_pointwise(func) -> bool:
+    """Whether ``func`` is a pointwise op with one tensor result and no ``out=``, which running advances no
+    generator (read from its schema once per op)."""
+    entry = _SIMPLE_POINTWISE.get(id(func))
+    if entry is None or entry[0] is not func:
+        tags, returns = func.tags, func._schema.returns
+        simple = (
+            torch.Tag.pointwise in tags
+            and torch.Tag.nondeterministic_seeded not in tags  # running it would advance the generator
+            and len(returns) == 1
+            and str(returns[0].type) == "Tensor"
+            and not op_schema(func).outs
+        )
+        entry = _SIMPLE_POINTWISE[id(func)] = (func, simple)
+    return entry[1]
+
+
+_SIMPLE_POINTWISE: dict = {}  # id(op) -> (op, whether it is a simple pointwise op); the op checks a reused id
+
+
+def _broadcast_shape(shapes: list[tuple]) -> tuple | None:
+    """The shape the tensors of ``shapes`` broadcast to, or None where they do not broadcast. Sizes that are not
+    plain ints (symbolic, under tracing) go to torch, which knows how to compare them."""
+    if not all(type(n) is int for shape in shapes for n in shape):
+        try:
+            return tuple(torch.broadcast_shapes(*shapes))
+        except RuntimeError:
+            return None
+    ndim = max(map(len, shapes))
+    out = [1] * ndim
+    for shape in shapes:
+        for i, n in enumerate(shape, ndim - len(shape)):
+            if n != 1:
+                if out[i] != 1 and out[i] != n:
+                    return None
+                out[i] = n
+    return tuple(out)
+
+
 def pointwise_outputs(func, args, kwargs) -> list[TensorInfo] | None:
     """``[TensorInfo(shape, dtype)]`` of a pointwise op's output, or None where tracing must decide."""
-    tags, returns = func.tags, func._schema.returns
-    if not (
-        torch.Tag.pointwise in tags
-        and torch.Tag.nondeterministic_seeded not in tags  # running it would advance the generator
-        and len(returns) == 1
-        and str(returns[0].type) == "Tensor"
-        and not op_schema(func).outs
-    ):
+    if not _simple_pointwise(func):
         return None
     values = list(args) + list(kwargs.values())
     if any(isinstance(v, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in v) for v in values):
@@ -57,9 +89,8 @@ def pointwise_outputs(func, args, kwargs) -> list[TensorInfo] | None:
     tensors = [v for v in values if isinstance(v, torch.Tensor)]
     if not tensors:
         return None
-    try:
-        shape = tuple(torch.broadcast_shapes(*(_shape(t) for t in tensors)))
-    except RuntimeError:
+    shape = _broadcast_shape([_shape(t) for t in tensors])
+    if shape is None:
         return None
     alias = func._schema.arguments[0].alias_info
     if alias is not None and alias.is_write and (not args or _shape(args[0]) != shape):

@@ -31,6 +31,7 @@ class OpSchema:
     written: frozenset  # names of arguments the op writes into (self of in-place ops, out=)
     outs: frozenset  # names of out= arguments (written, and not read)
     returns_written: bool  # the op returns the tensors it writes, not new ones
+    written_returns: tuple  # (return index, argument name) of each result that is a written argument (add_'s self)
     returns_tensors: bool  # returns new tensors (not nothing, not the written arguments)
     returns: int  # how many values the schema returns
     returns_one_tensor: bool  # returns exactly one Tensor (not a list of them)
@@ -50,6 +51,14 @@ class OpSchema:
             for i, a in enumerate(arguments)
             if str(a.type) in ("number", "List[number]") and a.name not in read
         ]
+        written_by_alias = {frozenset(a.alias_info.before_set): a.name for a in written}
+        written_returns = tuple(
+            (j, written_by_alias[frozenset(r.alias_info.before_set)])
+            for j, r in enumerate(returns)
+            if r.alias_info is not None
+            and r.alias_info.is_write
+            and frozenset(r.alias_info.before_set) in written_by_alias
+        )
         return OpSchema(
             func=func,
             names=tuple(a.name for a in arguments),
@@ -60,6 +69,7 @@ class OpSchema:
             written=frozenset(a.name for a in written),
             outs=frozenset(a.name for a in written if a.is_out),
             returns_written=bool(returns) and all(r.alias_info is not None and r.alias_info.is_write for r in returns),
+            written_returns=written_returns,
             returns_tensors=bool(returns) and not any(r.alias_info is not None for r in returns),
             returns=len(returns),
             returns_one_tensor=len(returns) == 1 and str(returns[0].type) == "Tensor",

@@ -248,10 +248,16 @@ class Rule:
 
 
 def _all_broadcast(signature: Signature) -> bool:
-    sbps = [signature.outputs] if not isinstance(signature.outputs, tuple) else list(signature.outputs)
+    # (the outputs first: most signatures split or reduce them, and that settles it)
+    outputs = signature.outputs
+    for s in outputs if isinstance(outputs, tuple) else (outputs,):
+        if s is not None and s != B:
+            return False
     for _, sbp in signature.inputs:
-        sbps.extend(sbp if isinstance(sbp, tuple) else [sbp])
-    return all(s == B for s in sbps if s is not None)
+        for s in sbp if isinstance(sbp, tuple) else (sbp,):
+            if s is not None and s != B:
+                return False
+    return True
 
 
 RULES: dict = {}
@@ -315,15 +321,27 @@ def shown_arguments(func, by_name: dict, reads: frozenset, describe: Callable) -
     ``describe`` (a value -> its TensorInfo, or the value itself where it is not a tensor), the declared arguments as
     they are, every other one hidden."""
     shown = {}
-    for a in func._schema.arguments:
-        if a.name not in by_name:
+    for name, holds_tensors in _argument_kinds(func):
+        if name not in by_name:
             continue
-        value = by_name[a.name]
-        if "Tensor" in str(a.type):
-            shown[a.name] = type(value)(map(describe, value)) if isinstance(value, (list, tuple)) else describe(value)
+        value = by_name[name]
+        if holds_tensors:
+            shown[name] = type(value)(map(describe, value)) if isinstance(value, (list, tuple)) else describe(value)
         else:
-            shown[a.name] = value if a.name in reads else _HIDDEN
+            shown[name] = value if name in reads else _HIDDEN
     return shown
+
+
+# id(op) -> (op, ((name, whether its type holds tensors), ...)): read from the schema once per op (reading a
+# schema's types costs more than the rest of showing a call); the op is kept to check that its id was not reused
+_KINDS: dict = {}
+
+
+def _argument_kinds(func) -> tuple:
+    entry = _KINDS.get(id(func))
+    if entry is None or entry[0] is not func:
+        entry = _KINDS[id(func)] = (func, tuple((a.name, "Tensor" in str(a.type)) for a in func._schema.arguments))
+    return entry[1]
 
 
 # What several families share
