@@ -14,7 +14,7 @@
 
 from .._comm import compiling
 from ._batched_matmul import MATMUL_FUNCS, BatchedMatmul, applies
-from ._below_autograd import below_autograd, without_torch_function
+from ._below_autograd import below_autograd, run_below_autograd, without_torch_function
 from ._gradient_boundary import at_uses
 from ._grouped_attention import SDPA_FUNCS, with_repeated_heads
 from ._grouped_attention import applies as grouped_attention
@@ -35,7 +35,11 @@ def torch_function(cls, func, types, args=(), kwargs=None):
     if compiling():
         args, kwargs = at_uses(func, args, kwargs)
         return below_autograd(func, types, args, kwargs)
-    result = without_torch_function(call, types, (func, types, args, kwargs))
-    if result is not NOT_HANDLED:
-        return result
-    return below_autograd(func, types, args, kwargs)
+    return without_torch_function(_local_or_below_autograd, types, (func, types, args, kwargs))
+
+
+def _local_or_below_autograd(func, types, args, kwargs):
+    """A local call where it may be one, else the call below autograd; run with torch functions off (one entry into
+    torch's trampoline serves both)."""
+    result = call(func, types, args, kwargs)
+    return run_below_autograd(func, args, kwargs) if result is NOT_HANDLED else result
