@@ -1,34 +1,42 @@
 """Install sbp_torch.
 
-The package is Python, plus one optional extension: the fused kernels' CUDA code, built only where torch
-(with CUDA) and nvcc are already installed (elsewhere the kernels run their PyTorch reference, and can be
-built just in time later). torch is a runtime requirement only: a build environment without torch never
-pulls a (multi-GB) CUDA build in, and an installed torch >= 2.11 is kept.
+The package is Python, plus two optional extensions:
+
+* the dispatcher's hit path in C (``csrc/dispatch_hit.c``), against Python's C API alone: built wherever a C
+  compiler is, and left out (a warning, the Python path runs) where none is;
+* the fused kernels' CUDA code, built only where torch (with CUDA) and nvcc are already installed (elsewhere the
+  kernels run their PyTorch reference, and can be built just in time later).
+
+torch is a runtime requirement only: a build environment without torch never pulls a (multi-GB) CUDA build in, and
+an installed torch >= 2.11 is kept.
 """
 
 import os
 import runpy
 import shutil
 
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
+
+DISPATCH_HIT = Extension("sbp_torch._dispatch._hit", ["csrc/dispatch_hit.c"], extra_compile_args=["-O2"], optional=True)
 
 
-def _cuda_extensions() -> dict:
-    """The CUDA extension of ``sbp_torch/kernels/_extension.py``'s ``SOURCES``, only where an installed torch has
-    CUDA and nvcc is on the PATH; otherwise nothing."""
+def _extensions() -> dict:
+    """The dispatch hit path's extension; with it the CUDA extension of ``sbp_torch/kernels/_extension.py``'s
+    ``SOURCES``, only where an installed torch has CUDA and nvcc is on the PATH."""
+    plain = {"ext_modules": [DISPATCH_HIT]}
     if not shutil.which("nvcc") or os.environ.get("SBP_TORCH_NO_CUDA_BUILD"):
-        return {}
+        return plain
     try:
         import torch
         from torch.utils.cpp_extension import BuildExtension, CUDAExtension
     except ImportError:
-        return {}
+        return plain
     if torch.version.cuda is None:
-        return {}
+        return plain
     sources = runpy.run_path("sbp_torch/kernels/_extension.py")["SOURCES"]
     flags = {"cxx": ["-O2", "-std=c++17"], "nvcc": ["-O3", "-std=c++17"]}
     exts = [CUDAExtension(f"sbp_torch.{name}", files, extra_compile_args=flags) for name, files in sources.items()]
-    return {"ext_modules": exts, "cmdclass": {"build_ext": BuildExtension}}
+    return {"ext_modules": [DISPATCH_HIT, *exts], "cmdclass": {"build_ext": BuildExtension}}
 
 
 setup(
@@ -55,5 +63,5 @@ setup(
         ],
         "bench": ["matplotlib"],
     },
-    **_cuda_extensions(),
+    **_extensions(),
 )

@@ -46,7 +46,7 @@ from ._api import (
 )
 from ._boxing import BoxingPlan, BoxingStep, plan_boxing
 from ._comm import CollectiveError
-from ._dispatch import MixedTensorError, implicit_broadcast, set_strict, strict, torch_dispatch
+from ._dispatch import PYTHON_CALLEES, MixedTensorError, implicit_broadcast, set_strict, strict, torch_dispatch
 from ._frontend import torch_function
 from ._layout import Placement as placement
 from ._layout import normalize_sbp
@@ -110,7 +110,7 @@ def boxing_plan(x: GlobalTensor, sbp) -> BoxingPlan:
 
 # The one place where the layers are wired together: the tensor type's torch entry points go to the
 # frontend and the dispatcher, and torch's own classes gain the conversions.
-connect(torch_function=torch_function, torch_dispatch=torch_dispatch)
+connect(torch_function=torch_function, torch_dispatch=torch_dispatch, python_callees=PYTHON_CALLEES)
 _checkpoint_hooks.install(GlobalTensor)  # the methods torch.distributed.checkpoint looks for
 torch.Tensor.to_global = to_global
 # (a plain zero gradient for a compiled program's unused global output becomes a global one)

@@ -11,6 +11,7 @@
 #   DEADLINE=400 scripts/gpu.sh                     # a shorter run
 #
 # Stages:
+#   native         the dispatcher's C hit path (csrc/dispatch_hit.c), in place, for this machine's Python
 #   build          the kernels' extension (sbp_torch/kernels/_extension.py), cached for the later stages
 #   kernel_tests   tests/test_kernels_gpu.py: every fused forward and backward against float64
 #   model_tests    tests/test_models_gpu.py: transformers models with sdpa attention laid out on the GPU
@@ -29,7 +30,7 @@ DEADLINE=${DEADLINE:-540}
 LOGS=$OUT/logs
 mkdir -p "$LOGS"
 export MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} PYTHONUNBUFFERED=1
-stages=${*:-build kernel_tests model_tests kernel_bench gpt_cuda sync_check memcheck}
+stages=${*:-native build kernel_tests model_tests kernel_bench gpt_cuda sync_check memcheck}
 begin=$(date +%s)
 status=0
 
@@ -67,6 +68,7 @@ KERNELS="import sbp_torch.kernels as K; K.enable_cuda_kernels(verbose=True); pri
 
 for s in $stages; do
   case $s in
+    native) stage native 60 env SBP_TORCH_NO_CUDA_BUILD=1 $PY setup.py -q build_ext --inplace ;;
     build) stage build 240 $PY -c "$KERNELS" ;;
     kernel_tests) stage kernel_tests 180 $PY -m pytest -q -p no:cacheprovider -rfE --maxfail=40 tests/test_kernels_gpu.py ;;
     model_tests) stage model_tests 240 $PY -m pytest -q -p no:cacheprovider -rfE tests/test_models_gpu.py ;;

@@ -495,3 +495,60 @@ def sparse_result_body():
 def test_an_op_with_a_sparse_result_raises_instead_of_wrapping_it():
     """A global tensor reporting a strided layout over a sparse part would give wrong layouts downstream."""
     run_on_world(2, sparse_result_body)
+
+
+def native_hit_body():
+    import sys
+
+    from sbp_torch._dispatch import CALLS, NATIVE, _dispatcher, _native
+    from sbp_torch._tensor import GlobalTensor
+
+    p = st.placement("cpu", [0, 1])
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(5, 4, generator=gen).to_global(p, broadcast).to_global(sbp=split(0))
+    w = torch.randn(4, generator=gen).to_global(p, broadcast).requires_grad_()
+    cases = [
+        lambda: x + x,
+        lambda: x * 0.5,  # a Scalar: keyed by type
+        lambda: x * 2,  # the same op and layout, an int Scalar
+        lambda: torch.relu(x - 1),
+        lambda: x.sum(dim=[0]),  # a list argument
+        lambda: (x * w).detach(),  # detach, and a backward-recording op
+        lambda: x.add_(1).mul_(0.5),  # in place: returns its self
+        lambda: x.view(4, 5),  # a view: its plan is not simple, the C path hands it to Python
+    ]
+    handlers = {"python": _dispatcher.torch_dispatch, "c": _native.torch_dispatch}
+    results, counts, entered = {}, {}, {}
+    for name, handler in handlers.items():
+        GlobalTensor.__torch_dispatch__ = classmethod(handler)
+        calls = []
+
+        def profiler(frame, event, arg):
+            if event == "call" and frame.f_code is _dispatcher.dispatch.__code__:
+                calls.append(None)
+
+        try:
+            st.cache_clear()  # (the learnt local calls too: a call learnt by one handler would skip the other)
+            x.copy_(torch.randn(5, 4, generator=torch.Generator().manual_seed(6)).to_global(p, broadcast))
+            results[name] = [[fn().full_tensor() for _ in range(3)] for fn in cases]  # a miss, then hits
+            counts[name] = CALLS.info()[:2]  # (hits, misses) of the call cache
+            sys.setprofile(profiler)
+            x * w  # a hit of a simple plan (w requires grad: not a local call)
+            sys.setprofile(None)
+            entered[name] = len(calls)
+        finally:
+            sys.setprofile(None)
+            GlobalTensor.__torch_dispatch__ = classmethod(_native.torch_dispatch)
+    return NATIVE, results, counts, entered
+
+
+def test_the_c_hit_path_answers_as_the_python_one():
+    """The dispatcher's hit path in C (``csrc/dispatch_hit.c``) is built, runs a cached simple plan without entering
+    Python's ``dispatch``, and gives the values and cache counts the Python handler gives, call for call."""
+    for native, results, counts, entered in run_on_world(2, native_hit_body):
+        assert native, "the C hit path is not built (setup.py builds it wherever a C compiler is)"
+        for want, got in zip(results["python"], results["c"]):
+            for a, b in zip(want, got):
+                torch.testing.assert_close(b, a, rtol=0, atol=0)
+        assert counts["c"] == counts["python"]
+        assert entered == {"python": 1, "c": 0}

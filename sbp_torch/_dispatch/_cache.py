@@ -27,6 +27,7 @@ class LruCache:
     threads: a lookup or an insertion is one operation on a dictionary, and eviction holds a lock."""
 
     def __init__(self, maxsize: int = DEFAULT_SIZE):
+        # (never rebound: the dispatcher's C hit path holds both, and reads and stamps entries as ``get`` does)
         self._entries: dict = {}  # key -> [value, stamp of its last use]
         self._clock = itertools.count()  # stamps: one per hit and one per insertion
         self._lock = threading.Lock()

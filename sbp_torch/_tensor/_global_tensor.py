@@ -190,14 +190,16 @@ def reduced_at_use(x: torch.Tensor) -> bool:
     return getattr(x, _REDUCED_AT_USE, False)
 
 
-def connect(torch_function, torch_dispatch) -> None:
+def connect(torch_function, torch_dispatch, python_callees=()) -> None:
     """Make ``torch_function`` and ``torch_dispatch`` the type's ``__torch_function__`` and ``__torch_dispatch__``,
     each called as ``handler(cls, func, types, args=(), kwargs=None)``. Called once, by ``sbp_torch/__init__.py``;
-    the handlers are the methods themselves, not called through a wrapper, because they run on every op."""
+    the handlers are the methods themselves, not called through a wrapper, because they run on every op. A handler
+    written in C enters Python through ``python_callees``, which are then treated as the Python handlers are."""
     GlobalTensor.__torch_function__ = classmethod(torch_function)
     GlobalTensor.__torch_dispatch__ = classmethod(torch_dispatch)
-    for handler in (torch_function, torch_dispatch):
-        _never_a_compiled_frame(handler)
+    for fn in (torch_function, torch_dispatch, *python_callees):
+        if hasattr(fn, "__code__"):
+            _never_a_compiled_frame(fn)
 
 
 def _never_a_compiled_frame(fn) -> None:

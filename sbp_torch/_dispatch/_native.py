@@ -1,0 +1,51 @@
+"""``GlobalTensor.__torch_dispatch__``: the C hit path (``csrc/dispatch_hit.c``, built by ``setup.py`` as ``_hit``)
+where it is built, else the Python ``torch_dispatch``. The C handler runs a cached simple plan (``CallPlan.simple``)
+with no Python frame and hands every other call to ``dispatch``, which keys and looks it up again; it reads the same
+call cache, so both answer every call alike. ``SBP_TORCH_NATIVE_HIT=0`` keeps the Python handler."""
+
+import os
+
+import torch
+
+from .. import _comm as comm
+from .._tensor import GlobalTensor
+from ._call_plan import CallPlan, checked_global
+from ._dispatcher import _RECORDER, CALLS, dispatch
+from ._dispatcher import torch_dispatch as python_torch_dispatch
+from ._schema import op_schema
+
+try:
+    from ._hit import configure
+    from ._hit import torch_dispatch as native_torch_dispatch
+except ImportError:  # not built (no C compiler at install): the Python handler alone
+    configure = native_torch_dispatch = None
+
+
+def _scalar_positions(func) -> frozenset:
+    return op_schema(func).scalar_positions
+
+
+NATIVE = configure is not None and os.environ.get("SBP_TORCH_NATIVE_HIT", "1") not in ("0", "")
+if NATIVE:
+    configure(
+        global_tensor=GlobalTensor,
+        tensor=torch.Tensor,
+        call_plan=CallPlan,
+        entries=CALLS._entries,
+        clock=CALLS._clock,
+        recorder=_RECORDER,
+        detach=torch.ops.aten.detach.default,
+        slow_dispatch=dispatch,
+        scalar_positions=_scalar_positions,
+        checked_global=checked_global,
+        local_failure=comm.local_failure,
+        make_wrapper=torch.Tensor._make_wrapper_subclass,
+        strided=torch.strided,
+        op_overload=torch._ops.OpOverload,
+    )
+    torch_dispatch = native_torch_dispatch
+else:
+    torch_dispatch = python_torch_dispatch
+
+# The Python functions the handler calls: like a Python handler, Dynamo must never take them for frames to compile.
+PYTHON_CALLEES = (dispatch, _scalar_positions, checked_global, comm.local_failure) if NATIVE else ()
