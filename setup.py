@@ -2,7 +2,7 @@
 
 The package is Python, plus two optional extensions:
 
-* the dispatcher's hit path in C (``csrc/dispatch_hit.c``), against Python's C API alone: built wherever a C
+* the dispatcher's hit path in C (``csrc/hit_paths.c``), against Python's C API alone: built wherever a C
   compiler is, and left out (a warning, the Python path runs) where none is;
 * the fused kernels' CUDA code, built only where torch (with CUDA) and nvcc are already installed (elsewhere the
   kernels run their PyTorch reference, and can be built just in time later).
@@ -17,7 +17,7 @@ import shutil
 
 from setuptools import Extension, find_packages, setup
 
-DISPATCH_HIT = Extension("sbp_torch._dispatch._hit", ["csrc/dispatch_hit.c"], extra_compile_args=["-O2"], optional=True)
+DISPATCH_HIT = Extension("sbp_torch._dispatch._hit", ["csrc/hit_paths.c"], extra_compile_args=["-O2"], optional=True)
 
 
 def _extensions() -> dict:

@@ -7,6 +7,11 @@ One process, a 1-rank placement (no communication: this is the CPU toll of the d
 is timed plain and global (median of 7 rounds of 5000 calls), then run under cProfile; the table lists the
 functions with the most own time, per call of the op. cProfile's own overhead inflates every row, so the
 rows are read against each other, and the timed totals against the plain op.
+
+A last table splits the call with grad into its parts by timing it whole and with parts taken away: below
+autograd (called with torch functions off, as ``__torch_function__`` calls it), with a ``__torch_function__`` that
+does nothing but that call (torch's protocol alone), with the hit paths' Python handlers instead of the C ones,
+and DTensor's call on a one-device mesh beside them.
 """
 
 from __future__ import annotations
@@ -57,6 +62,39 @@ def _profile_rows(fn, top: int = 14) -> list[list[str]]:
     return table
 
 
+def _grad_parts(x: torch.Tensor, h) -> list[list[str]]:
+    """(what is timed, µs per call) of ``h + h`` with grad, whole and with parts taken away (module docstring)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from sbp_torch._dispatch import _dispatcher, _native
+    from sbp_torch._frontend import _torch_function
+
+    cls, off = type(h), torch._C._disabled_torch_function_impl
+    plain = x.detach().requires_grad_()
+    theirs = DTensor.from_local(x, init_device_mesh("cpu", (1,)), [Shard(0)]).requires_grad_()
+    rows = [
+        ("plain", lambda: plain + plain),
+        ("DTensor", lambda: theirs + theirs),
+        ("sbp_torch", lambda: h + h),
+        ("sbp_torch below autograd", lambda: off(torch.add, (cls,), (h, h), {})),
+    ]
+    timed = [[name, f"{_per_call_us(fn):.1f}"] for name, fn in rows]
+    ours = cls.__dict__["__torch_function__"]
+    cls.__torch_function__ = classmethod(lambda c, func, types, args=(), kwargs=None: off(func, types, args, kwargs))
+    timed.append(
+        ["sbp_torch, a `__torch_function__` that only calls below autograd", f"{_per_call_us(rows[2][1]):.1f}"]
+    )
+    cls.__torch_function__ = ours
+    native = (cls.__dict__["__torch_dispatch__"], _torch_function._EAGER, _torch_function._LOCAL_OR_BELOW_AUTOGRAD)
+    cls.__torch_dispatch__ = classmethod(_dispatcher.torch_dispatch)
+    _torch_function._EAGER, _torch_function._LOCAL_OR_BELOW_AUTOGRAD = None, _torch_function._local_or_below_autograd
+    timed.append(["sbp_torch, the Python handlers", f"{_per_call_us(rows[2][1]):.1f}"])
+    cls.__torch_dispatch__, _torch_function._EAGER, _torch_function._LOCAL_OR_BELOW_AUTOGRAD = native
+    timed.append(["(the C hit paths in use)", "yes" if _native.NATIVE else "no"])
+    return timed
+
+
 def main() -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29541")
@@ -92,6 +130,7 @@ def main() -> None:
             ),
             "",
         ]
+    text += ["## The call with grad, part by part", "", harness.markdown_table(["call", "µs"], _grad_parts(x, h)), ""]
     dist.destroy_process_group()
     os.makedirs(os.path.dirname(OUT), exist_ok=True)
     with open(OUT, "w") as f:

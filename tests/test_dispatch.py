@@ -543,7 +543,7 @@ def native_hit_body():
 
 
 def test_the_c_hit_path_answers_as_the_python_one():
-    """The dispatcher's hit path in C (``csrc/dispatch_hit.c``) is built, runs a cached simple plan without entering
+    """The dispatcher's hit path in C (``csrc/hit_paths.c``) is built, runs a cached simple plan without entering
     Python's ``dispatch``, and gives the values and cache counts the Python handler gives, call for call."""
     for native, results, counts, entered in run_on_world(2, native_hit_body):
         assert native, "the C hit path is not built (setup.py builds it wherever a C compiler is)"

@@ -310,3 +310,86 @@ def foreach_in_place_body():
 def test_in_place_foreach_returns_its_list_and_bumps_versions():
     for seen in run_on_world(2, foreach_in_place_body):
         assert seen == [(True, 1, 1)] * 3
+
+
+def _plainly(result):
+    """A call's result as plain tensors that can leave the rank: None, a full tensor, or a list of them."""
+    if isinstance(result, (list, tuple)):
+        return [_plainly(r) for r in result]
+    return None if result is None else result.full_tensor().detach()
+
+
+def native_local_body():
+    import sys
+
+    from sbp_torch._frontend import _torch_function
+
+    p = st.placement("cpu", [0, 1])
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(5, 4, generator=gen).to_global(p, broadcast).to_global(sbp=split(0))
+    y = torch.randn(5, 4, generator=gen).to_global(p, broadcast).to_global(sbp=split(0))
+    w = torch.randn(4, generator=gen).to_global(p, broadcast).requires_grad_()
+    cases = [
+        lambda: x + y,  # a new tensor
+        lambda: torch.mul(x, 0.5),  # a float keyed by type
+        lambda: x.sum(dim=0),  # a keyword argument
+        lambda: x * torch.tensor(2.0),  # a plain 0-dim tensor
+        lambda: y.mul_(1.0),  # in place: returns its argument, bumps its version
+        lambda: torch._foreach_mul_([x, y], 1.0),  # returns None, bumps a list
+        lambda: torch._foreach_add([x, y], 1.0),  # a list of outputs: the Python path
+        lambda: (x * w).sum(),  # autograd records it: below autograd
+        lambda: x.transpose(0, 1),  # a view: never a local call
+    ]
+    python = (_torch_function._local_or_below_autograd, None)
+    native = (_torch_function._LOCAL_OR_BELOW_AUTOGRAD, _torch_function._EAGER)
+    results, counts, versions, entered = {}, {}, {}, {}
+    for name, handlers in (("python", python), ("c", native)):
+        _torch_function._LOCAL_OR_BELOW_AUTOGRAD, _torch_function._EAGER = handlers
+        calls = []
+
+        def profiler(frame, event, arg):
+            if event == "call" and frame.f_code is _local_calls.call.__code__:
+                calls.append(None)
+
+        try:
+            st.cache_clear()
+            _local_calls.DISPATCH_ONLY.clear()
+            with torch.no_grad():
+                x.copy_(torch.ones(5, 4).to_global(p, broadcast))
+                y.copy_(torch.full((5, 4), 2.0).to_global(p, broadcast))
+            start = [x._version, y._version]
+            out = []
+            for fn in cases:
+                for _ in range(3):  # a first sight, the learning call, then the local call
+                    out.append(_plainly(fn()))
+            results[name] = out
+            counts[name] = st.cache_info()
+            versions[name] = [x._version - start[0], y._version - start[1]]
+            with pytest.raises(st.MixedTensorError):
+                x + torch.ones(5, 4)  # a plain tensor with dims from user code
+            sys.setprofile(profiler)
+            x + y  # a learnt local call
+            sys.setprofile(None)
+            entered[name] = len(calls)
+        finally:
+            sys.setprofile(None)
+            _torch_function._LOCAL_OR_BELOW_AUTOGRAD, _torch_function._EAGER = native
+    return _torch_function._EAGER is not None, results, counts, versions, entered
+
+
+def test_the_c_local_calls_answer_as_the_python_ones():
+    """The local calls' hit path in C (``csrc/hit_paths.c``) is in use, answers a learnt call without entering
+    Python's ``call``, and gives the values, cache counts and version bumps the Python path gives."""
+    for native, results, counts, versions, entered in run_on_world(2, native_local_body):
+        assert native, "the C hit paths are not built (setup.py builds them wherever a C compiler is)"
+        for want, got in zip(results["python"], results["c"]):
+            if want is None or got is None:
+                assert want is got
+            elif isinstance(want, list):
+                for a, b in zip(want, got):
+                    torch.testing.assert_close(b, a, rtol=0, atol=0)
+            else:
+                torch.testing.assert_close(got, want, rtol=0, atol=0)
+        assert counts["c"] == counts["python"]
+        assert versions["c"] == versions["python"]
+        assert entered == {"python": 1, "c": 0}

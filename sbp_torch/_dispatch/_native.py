@@ -1,4 +1,4 @@
-"""``GlobalTensor.__torch_dispatch__``: the C hit path (``csrc/dispatch_hit.c``, built by ``setup.py`` as ``_hit``)
+"""``GlobalTensor.__torch_dispatch__``: the C hit path (``csrc/hit_paths.c``, built by ``setup.py`` as ``_hit``)
 where it is built, else the Python ``torch_dispatch``. The C handler runs a cached simple plan (``CallPlan.simple``)
 with no Python frame and hands every other call to ``dispatch``, which keys and looks it up again; it reads the same
 call cache, so both answer every call alike. ``SBP_TORCH_NATIVE_HIT=0`` keeps the Python handler."""
@@ -15,10 +15,10 @@ from ._dispatcher import torch_dispatch as python_torch_dispatch
 from ._schema import op_schema
 
 try:
-    from ._hit import configure
+    from ._hit import configure, configure_local, eager_torch_function, local_or_below_autograd
     from ._hit import torch_dispatch as native_torch_dispatch
 except ImportError:  # not built (no C compiler at install): the Python handler alone
-    configure = native_torch_dispatch = None
+    configure = configure_local = eager_torch_function = local_or_below_autograd = native_torch_dispatch = None
 
 
 def _scalar_positions(func) -> frozenset:
@@ -49,3 +49,13 @@ else:
 
 # The Python functions the handler calls: like a Python handler, Dynamo must never take them for frames to compile.
 PYTHON_CALLEES = (dispatch, _scalar_positions, checked_global, comm.local_failure) if NATIVE else ()
+
+
+def native_local_calls(**objects) -> tuple:
+    """The C ``_local_or_below_autograd`` of the frontend's local calls and the eager part of its torch function,
+    given the objects they read (see ``configure_local`` in ``csrc/hit_paths.c``); (None, None) where the C hit
+    paths are not in use."""
+    if not NATIVE:
+        return None, None
+    configure_local(**objects)
+    return local_or_below_autograd, eager_torch_function

@@ -19,9 +19,14 @@ def run_below_autograd(func, args, kwargs):
     except RuntimeError as err:
         if "data is not allocated" not in str(err):
             raise
-        # A C++ composite read the wrapper's own storage, which is empty (tensor_split's index tensor)
-        raise TypeError(
-            f"{getattr(func, '__name__', func)} reads the values of a global tensor argument directly, "
-            "which sbp_torch cannot intercept; pass that argument as a Python list or a plain tensor "
-            "(full_tensor())"
-        ) from err
+        values_read(func, err)
+
+
+def values_read(func, err: RuntimeError):
+    """Raise the clear error for ``err``: a C++ composite read the wrapper's own storage, which is empty
+    (tensor_split's index tensor)."""
+    raise TypeError(
+        f"{getattr(func, '__name__', func)} reads the values of a global tensor argument directly, "
+        "which sbp_torch cannot intercept; pass that argument as a Python list or a plain tensor "
+        "(full_tensor())"
+    ) from err

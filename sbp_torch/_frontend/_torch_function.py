@@ -10,15 +10,22 @@
 4. a call that autograd does not record may run on the local parts directly (``_local_calls.py``), except
    while torch.compile traces: a traced program is planned once, so the shortcut would save nothing, and it
    reads the local parts, which a trace must reach only through ``__torch_dispatch__``;
-5. everything else goes below autograd to ``__torch_dispatch__``, the dispatcher."""
+5. everything else goes below autograd to ``__torch_dispatch__``, the dispatcher.
+
+Where the C hit paths are built (``csrc/hit_paths.c``), an eager call past step 1 runs steps 2 to 5 in C when none
+of steps 2, 3 and the compile check has anything to do (no plain tensor with dims, no batched matmul or attention,
+no compilation); otherwise C does nothing and the steps run here in Python."""
+
+import torch
 
 from .._comm import compiling
+from .._dispatch import native_local_calls
 from ._batched_matmul import MATMUL_FUNCS, BatchedMatmul, applies
-from ._below_autograd import below_autograd, run_below_autograd, without_torch_function
+from ._below_autograd import below_autograd, run_below_autograd, values_read, without_torch_function
 from ._gradient_boundary import at_uses
 from ._grouped_attention import SDPA_FUNCS, with_repeated_heads
 from ._grouped_attention import applies as grouped_attention
-from ._local_calls import DISPATCH_ONLY, NOT_HANDLED, call
+from ._local_calls import _REFUSED, DISPATCH_ONLY, ENABLED, FLOATS_BY_TYPE, LOCAL_CALLS, NOT_HANDLED, LocalCall, call
 from ._plain_inputs import check_plain_inputs
 
 
@@ -26,6 +33,10 @@ def torch_function(cls, func, types, args=(), kwargs=None):
     """``GlobalTensor.__torch_function__`` (see the module docstring)."""
     if func in DISPATCH_ONLY:
         return below_autograd(func, types, args, kwargs)
+    if _EAGER is not None and not torch.compiler.is_compiling():  # (Dynamo, tracing this, reads True)
+        result = without_torch_function(_EAGER, types, (func, types, args, kwargs))
+        if result is not NOT_HANDLED:
+            return result
     check_plain_inputs(func, args, kwargs)
     if func in MATMUL_FUNCS and applies(func, args, kwargs or {}):
         return BatchedMatmul.apply(*args)
@@ -35,7 +46,7 @@ def torch_function(cls, func, types, args=(), kwargs=None):
     if compiling():
         args, kwargs = at_uses(func, args, kwargs)
         return below_autograd(func, types, args, kwargs)
-    return without_torch_function(_local_or_below_autograd, types, (func, types, args, kwargs))
+    return without_torch_function(_LOCAL_OR_BELOW_AUTOGRAD, types, (func, types, args, kwargs))
 
 
 def _local_or_below_autograd(func, types, args, kwargs):
@@ -43,3 +54,33 @@ def _local_or_below_autograd(func, types, args, kwargs):
     torch's trampoline serves both)."""
     result = call(func, types, args, kwargs)
     return run_below_autograd(func, args, kwargs) if result is NOT_HANDLED else result
+
+
+# ``_local_or_below_autograd`` in C where the hit paths are built (``csrc/hit_paths.c``): a learnt local call that
+# returns a tensor, an argument or None, and every call that is no local call, run there; first sights, learning and
+# other returns go to the Python function, so both answer every call alike. With it, ``_EAGER`` runs the steps of
+# ``torch_function`` above for an eager call in C, and answers ``NOT_HANDLED``, having done nothing, where the Python
+# steps must see the call (a plain tensor with dims, a batched matmul or attention, a compilation under way).
+_COMPILE_TLS = getattr(torch._guards, "_TLS", None)
+_NATIVE_LOCAL, _EAGER = (
+    native_local_calls(
+        entries=LOCAL_CALLS._entries,
+        clock=LOCAL_CALLS._clock,
+        pop=LOCAL_CALLS.pop,
+        floats_by_type=FLOATS_BY_TYPE,
+        refused=_REFUSED,
+        local_call=LocalCall,
+        python=_local_or_below_autograd,
+        values_read=values_read,
+        increment_version=torch._C._increment_version,
+        dispatch_modes=torch._C._len_torch_dispatch_stack,
+        autocast=torch._C._is_any_autocast_enabled,
+        grad_enabled=torch.is_grad_enabled,
+        not_handled=NOT_HANDLED,
+        special=frozenset(MATMUL_FUNCS) | frozenset(SDPA_FUNCS),
+        compile_tls=_COMPILE_TLS,
+    )
+    if ENABLED and _COMPILE_TLS is not None
+    else (None, None)
+)
+_LOCAL_OR_BELOW_AUTOGRAD = _NATIVE_LOCAL or _local_or_below_autograd

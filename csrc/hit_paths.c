@@ -1,0 +1,847 @@
+/* The hit paths in C: GlobalTensor.__torch_dispatch__ for a call whose plan is cached and simple, and the learnt
+   local calls of the frontend (after the dispatcher's part below).
+
+   It does what sbp_torch/_dispatch/_dispatcher.py's ``dispatch`` does on a hit with a simple plan (``call_key``,
+   one lookup in the call cache, ``_run_simple``, ``checked_global``, ``wrap_fresh``), with no Python frame. Any other
+   call (keyword arguments, a plain tensor argument, the recorder on, a miss, a plan that is not simple) goes to the
+   Python ``dispatch``, which keys and looks the call up again: this file only ever answers what the Python hit path
+   would answer, and the cache it reads is the Python one. Built by setup.py as sbp_torch._dispatch._hit, against
+   Python's C API alone (no torch headers): a plain C compiler is enough. */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+static PyObject *GlobalTensorType;  /* sbp_torch's GlobalTensor */
+static PyObject *TensorType;        /* torch.Tensor */
+static PyObject *CallPlanType;      /* _call_plan.CallPlan */
+static PyObject *Entries;           /* CALLS._entries: key -> [entry, stamp] */
+static PyObject *Clock;             /* CALLS._clock: the stamps */
+static PyObject *Recorder;          /* the ContextVar of _dispatcher.recording */
+static PyObject *Detach;            /* aten.detach.default */
+static PyObject *SlowDispatch;      /* _dispatcher.dispatch(func, args, kwargs) */
+static PyObject *ScalarPositions;   /* func -> op_schema(func).scalar_positions */
+static PyObject *CheckedGlobal;     /* _call_plan.checked_global(func, local, meta, shape) */
+static PyObject *LocalFailure;      /* _comm.local_failure(func, err, placement, local_inputs) */
+static PyObject *MakeWrapper;       /* torch.Tensor._make_wrapper_subclass */
+static PyObject *Strided;           /* torch.strided */
+static PyObject *OpOverloadType;    /* torch._ops.OpOverload: its __call__ is ``self._op(*args)`` */
+static PyObject *Facts;             /* id(func) -> (func, scalar positions, func._op) */
+
+static PyObject *s_local, *s_meta, *s_func, *s_simple, *s_op, *s_decision, *s_outputs, *s_local_shapes,
+    *s_returns_written, *s_shape, *s_strides, *s_dtype, *s_device, *s_is_conj, *s_is_neg, *s_placement,
+    *s_local_inputs, *s_detach;
+
+static int configured = 0;
+
+/* The key of one argument, as _bound._key_of gives it; NULL without an error where only Python can key it (a plain
+   tensor), NULL with an error on failure. */
+static PyObject *key_of(PyObject *value, int is_scalar) {
+    PyTypeObject *type = Py_TYPE(value);
+    if ((PyObject *)type == GlobalTensorType) return PyObject_GetAttr(value, s_meta);
+    if (PyList_Check(value) || PyTuple_Check(value)) {
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(value);
+        PyObject **items = PySequence_Fast_ITEMS(value);
+        PyObject *inner = PyTuple_New(n);
+        if (inner == NULL) return NULL;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *k = key_of(items[i], is_scalar);
+            if (k == NULL) {
+                Py_DECREF(inner);
+                return NULL;
+            }
+            PyTuple_SET_ITEM(inner, i, k);
+        }
+        PyObject *key = PyTuple_Pack(2, (PyObject *)type, inner);
+        Py_DECREF(inner);
+        return key;
+    }
+    int instance = PyObject_IsInstance(value, GlobalTensorType);
+    if (instance < 0) return NULL;
+    if (instance) return PyObject_GetAttr(value, s_meta);
+    instance = PyObject_IsInstance(value, TensorType);
+    if (instance < 0) return NULL;
+    if (instance) return NULL; /* keyed by Python */
+    if (is_scalar && (PyLong_Check(value) || PyFloat_Check(value) || PyComplex_Check(value))) {
+        Py_INCREF(type);
+        return (PyObject *)type;
+    }
+    Py_INCREF(value);
+    return value;
+}
+
+/* (scalar positions, op callable) of ``func``, read once per op; borrowed references, NULL on error. */
+static PyObject *facts_of(PyObject *func) {
+    PyObject *id = PyLong_FromVoidPtr(func);
+    if (id == NULL) return NULL;
+    PyObject *entry = PyDict_GetItemWithError(Facts, id);
+    if (entry == NULL && PyErr_Occurred()) {
+        Py_DECREF(id);
+        return NULL;
+    }
+    if (entry == NULL || PyTuple_GET_ITEM(entry, 0) != func) { /* new, or a freed op's id reused */
+        PyObject *positions = PyObject_CallOneArg(ScalarPositions, func);
+        PyObject *op = NULL;
+        if (positions != NULL) { /* (a subclass's __call__ may do more: it is called as it is) */
+            op = (PyObject *)Py_TYPE(func) == OpOverloadType ? PyObject_GetAttr(func, s_op) : (Py_INCREF(func), func);
+        }
+        entry = op ? PyTuple_Pack(3, func, positions, op) : NULL;
+        Py_XDECREF(positions);
+        Py_XDECREF(op);
+        if (entry == NULL || PyDict_SetItem(Facts, id, entry) < 0) {
+            Py_XDECREF(entry);
+            Py_DECREF(id);
+            return NULL;
+        }
+        Py_DECREF(entry); /* the dict holds it */
+    }
+    Py_DECREF(id);
+    return entry;
+}
+
+static PyObject *slow(PyObject *func, PyObject *args, PyObject *kwargs) {
+    PyObject *empty = NULL;
+    if (kwargs == NULL || kwargs == Py_None) kwargs = empty = PyDict_New();
+    if (kwargs == NULL) return NULL;
+    PyObject *result = PyObject_CallFunctionObjArgs(SlowDispatch, func, args, kwargs, NULL);
+    Py_XDECREF(empty);
+    return result;
+}
+
+/* ``wrap_fresh(local, meta)``: a new GlobalTensor holding ``local`` (an op's new result) as a part of ``meta``. */
+static PyObject *wrap_fresh(PyObject *local, PyObject *meta) {
+    PyObject *result = NULL;
+    PyObject *shape = PyObject_GetAttr(meta, s_shape);
+    PyObject *strides = shape ? PyObject_GetAttr(meta, s_strides) : NULL;
+    PyObject *dtype = strides ? PyObject_GetAttr(meta, s_dtype) : NULL;
+    PyObject *device = dtype ? PyObject_GetAttr(local, s_device) : NULL;
+    if (device != NULL) {
+        PyObject *argv[8] = {GlobalTensorType, shape, strides, Py_None, Py_None, dtype, Strided, device};
+        result = PyObject_Vectorcall(MakeWrapper, argv, 8, NULL);
+        if (result != NULL &&
+            (PyObject_SetAttr(result, s_local, local) < 0 || PyObject_SetAttr(result, s_meta, meta) < 0)) {
+            Py_CLEAR(result);
+        }
+    }
+    Py_XDECREF(shape);
+    Py_XDECREF(strides);
+    Py_XDECREF(dtype);
+    Py_XDECREF(device);
+    return result;
+}
+
+/* ``detach`` of a global tensor: its part detached, the layout kept (every gradient accumulated into .grad is
+   detached). */
+static PyObject *detached(PyObject *x) {
+    PyObject *local = PyObject_GetAttr(x, s_local);
+    PyObject *meta = local ? PyObject_GetAttr(x, s_meta) : NULL;
+    PyObject *part = meta ? PyObject_CallMethodNoArgs(local, s_detach) : NULL;
+    PyObject *result = part ? wrap_fresh(part, meta) : NULL;
+    Py_XDECREF(local);
+    Py_XDECREF(meta);
+    Py_XDECREF(part);
+    return result;
+}
+
+/* The op's local result wrapped as the plan's first output (``checked_global``); steals ``local``. */
+static PyObject *wrap(PyObject *func, PyObject *plan, PyObject *local) {
+    PyObject *decision = NULL, *outputs = NULL, *shapes = NULL, *shape = NULL, *result = NULL;
+    decision = PyObject_GetAttr(plan, s_decision);
+    outputs = decision ? PyObject_GetAttr(decision, s_outputs) : NULL;
+    shapes = outputs ? PyObject_GetAttr(plan, s_local_shapes) : NULL;
+    shape = shapes ? PyObject_GetAttr(local, s_shape) : NULL;
+    if (shape == NULL) goto done;
+    if (!PyTuple_Check(outputs) || PyTuple_GET_SIZE(outputs) < 1 || !PyTuple_Check(shapes) ||
+        PyTuple_GET_SIZE(shapes) < 1) {
+        PyErr_SetString(PyExc_RuntimeError, "sbp_torch internal error: a simple call plan without an output");
+        goto done;
+    }
+    PyObject *meta = PyTuple_GET_ITEM(outputs, 0), *want = PyTuple_GET_ITEM(shapes, 0);
+    int same = PyObject_RichCompareBool(shape, want, Py_EQ);
+    if (same < 0) goto done;
+    int plain = same;
+    for (int i = 0; plain && i < 2; i++) { /* a lazy conjugate or negative bit: the Python constructor resolves it */
+        PyObject *bit = PyObject_CallMethodNoArgs(local, i ? s_is_neg : s_is_conj);
+        if (bit == NULL) goto done;
+        plain = bit == Py_False;
+        Py_DECREF(bit);
+    }
+    if (!plain) { /* raises on a wrong shape */
+        result = PyObject_CallFunctionObjArgs(CheckedGlobal, func, local, meta, want, NULL);
+        goto done;
+    }
+    result = wrap_fresh(local, meta);
+done:
+    Py_XDECREF(decision);
+    Py_XDECREF(outputs);
+    Py_XDECREF(shapes);
+    Py_XDECREF(shape);
+    Py_DECREF(local);
+    return result;
+}
+
+/* The simple plan run on the local parts (``_run_simple``), the op called as ``op``. */
+static PyObject *run_simple(PyObject *func, PyObject *op, PyObject *plan, PyObject *args) {
+    Py_ssize_t n = PyTuple_GET_SIZE(args);
+    PyObject *locals = PyTuple_New(n);
+    if (locals == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *a = PyTuple_GET_ITEM(args, i);
+        int global = PyObject_IsInstance(a, GlobalTensorType);
+        if (global < 0) {
+            Py_DECREF(locals);
+            return NULL;
+        }
+        PyObject *v = global ? PyObject_GetAttr(a, s_local) : (Py_INCREF(a), a);
+        if (v == NULL) {
+            Py_DECREF(locals);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(locals, i, v);
+    }
+    PyObject *out = PyObject_Call(op, locals, NULL);
+    Py_DECREF(locals);
+    if (out == NULL) { /* the others went on: closes this rank's world (docs/faults.md), then raises */
+        if (!PyErr_ExceptionMatches(PyExc_Exception)) return NULL;
+        PyObject *type, *value, *traceback;
+        PyErr_Fetch(&type, &value, &traceback);
+        PyErr_NormalizeException(&type, &value, &traceback);
+        if (traceback != NULL) PyException_SetTraceback(value, traceback);
+        PyObject *placement = PyObject_GetAttr(plan, s_placement);
+        PyObject *inputs = placement ? PyObject_GetAttr(plan, s_local_inputs) : NULL;
+        PyObject *noted = inputs ? PyObject_CallFunctionObjArgs(LocalFailure, func, value, placement, inputs, NULL)
+                                 : NULL;
+        Py_XDECREF(placement);
+        Py_XDECREF(inputs);
+        if (noted == NULL) { /* its own error wins, chained to the op's */
+            PyObject *t2, *v2, *tb2;
+            PyErr_Fetch(&t2, &v2, &tb2);
+            PyErr_NormalizeException(&t2, &v2, &tb2);
+            PyException_SetContext(v2, value); /* steals value */
+            Py_XDECREF(type);
+            Py_XDECREF(traceback);
+            PyErr_Restore(t2, v2, tb2);
+            return NULL;
+        }
+        Py_DECREF(noted);
+        PyErr_Restore(type, value, traceback);
+        return NULL;
+    }
+    PyObject *returns_written = PyObject_GetAttr(plan, s_returns_written);
+    if (returns_written == NULL) {
+        Py_DECREF(out);
+        return NULL;
+    }
+    int written = PyObject_IsTrue(returns_written);
+    Py_DECREF(returns_written);
+    if (written) {
+        Py_DECREF(out);
+        PyObject *self = PyTuple_GET_ITEM(args, 0);
+        Py_INCREF(self);
+        return self;
+    }
+    return wrap(func, plan, out);
+}
+
+/* GlobalTensor.__torch_dispatch__(cls, func, types, args=(), kwargs=None) */
+static PyObject *torch_dispatch(PyObject *module, PyObject *const *argv, Py_ssize_t argc) {
+    if (argc < 3 || argc > 5) {
+        PyErr_SetString(PyExc_TypeError, "__torch_dispatch__(cls, func, types, args=(), kwargs=None)");
+        return NULL;
+    }
+    PyObject *func = argv[1];
+    PyObject *args = argc > 3 ? argv[3] : NULL;
+    PyObject *kwargs = argc > 4 ? argv[4] : NULL;
+    PyObject *empty_args = NULL;
+    if (args == NULL) args = empty_args = PyTuple_New(0);
+    if (args == NULL) return NULL;
+    PyObject *result = NULL;
+    if (!configured || !PyTuple_Check(args) ||
+        (kwargs != NULL && kwargs != Py_None && (!PyDict_Check(kwargs) || PyDict_GET_SIZE(kwargs) > 0))) {
+        result = slow(func, args, kwargs);
+        goto done;
+    }
+    PyObject *recording = NULL;
+    if (PyContextVar_Get(Recorder, Py_None, &recording) < 0) goto done;
+    int recorded = recording != Py_None;
+    Py_DECREF(recording);
+    if (recorded) {
+        result = slow(func, args, kwargs);
+        goto done;
+    }
+    if (func == Detach) {
+        if (PyTuple_GET_SIZE(args) == 1 && (PyObject *)Py_TYPE(PyTuple_GET_ITEM(args, 0)) == GlobalTensorType) {
+            result = detached(PyTuple_GET_ITEM(args, 0));
+        } else {
+            result = slow(func, args, kwargs);
+        }
+        goto done;
+    }
+    PyObject *facts = facts_of(func);
+    if (facts == NULL) goto done;
+    PyObject *positions = PyTuple_GET_ITEM(facts, 1), *op = PyTuple_GET_ITEM(facts, 2);
+    Py_INCREF(op);
+    Py_ssize_t n = PyTuple_GET_SIZE(args);
+    PyObject *key = PyTuple_New(n + 1);
+    PyObject *id = key ? PyLong_FromVoidPtr(func) : NULL;
+    if (id == NULL) {
+        Py_XDECREF(key);
+        Py_DECREF(op);
+        goto done;
+    }
+    PyTuple_SET_ITEM(key, 0, id);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *index = PyLong_FromSsize_t(i);
+        int is_scalar = index ? PySet_Contains(positions, index) : -1;
+        Py_XDECREF(index);
+        PyObject *k = is_scalar < 0 ? NULL : key_of(PyTuple_GET_ITEM(args, i), is_scalar);
+        if (k == NULL) {
+            Py_DECREF(key);
+            Py_DECREF(op);
+            if (PyErr_Occurred()) goto done;
+            result = slow(func, args, kwargs); /* an argument only Python keys */
+            goto done;
+        }
+        PyTuple_SET_ITEM(key, i + 1, k);
+    }
+    PyObject *slot = PyDict_GetItemWithError(Entries, key); /* borrowed */
+    Py_DECREF(key);
+    if (slot == NULL) { /* a miss, or an unhashable key: Python decides */
+        Py_DECREF(op);
+        PyErr_Clear();
+        result = slow(func, args, kwargs);
+        goto done;
+    }
+    PyObject *plan = PyList_GET_ITEM(slot, 0);
+    Py_INCREF(slot);
+    Py_INCREF(plan);
+    int fits = (PyObject *)Py_TYPE(plan) == CallPlanType;
+    if (fits) {
+        PyObject *planned = PyObject_GetAttr(plan, s_func);
+        PyObject *simple = planned ? PyObject_GetAttr(plan, s_simple) : NULL;
+        fits = simple != NULL && planned == func && simple == Py_True;
+        Py_XDECREF(planned);
+        Py_XDECREF(simple);
+        if (simple == NULL) {
+            Py_DECREF(slot);
+            Py_DECREF(plan);
+            Py_DECREF(op);
+            goto done;
+        }
+    }
+    if (!fits) {
+        result = slow(func, args, kwargs);
+    } else {
+        PyObject *stamp = PyIter_Next(Clock); /* a hit, as LruCache.get counts it */
+        if (stamp != NULL && PyList_SetItem(slot, 1, stamp) == 0) result = run_simple(func, op, plan, args);
+    }
+    Py_DECREF(slot);
+    Py_DECREF(plan);
+    Py_DECREF(op);
+done:
+    Py_XDECREF(empty_args);
+    return result;
+}
+
+static PyObject *configure(PyObject *module, PyObject *kw_args, PyObject *kwargs) {
+    static char *names[] = {"global_tensor", "tensor", "call_plan", "entries", "clock", "recorder", "detach",
+                            "slow_dispatch", "scalar_positions", "checked_global", "local_failure",
+                            "make_wrapper", "strided", "op_overload", NULL};
+    PyObject *values[14];
+    if (!PyArg_ParseTupleAndKeywords(kw_args, kwargs, "OOOOOOOOOOOOOO", names, &values[0], &values[1],
+                                     &values[2], &values[3], &values[4], &values[5], &values[6], &values[7],
+                                     &values[8], &values[9], &values[10], &values[11], &values[12], &values[13]))
+        return NULL;
+    PyObject **slots[14] = {&GlobalTensorType, &TensorType, &CallPlanType, &Entries, &Clock, &Recorder, &Detach,
+                            &SlowDispatch, &ScalarPositions, &CheckedGlobal, &LocalFailure, &MakeWrapper,
+                            &Strided, &OpOverloadType};
+    for (int i = 0; i < 14; i++) {
+        Py_INCREF(values[i]);
+        Py_XSETREF(*slots[i], values[i]);
+    }
+    if (!PyDict_Check(Entries)) {
+        PyErr_SetString(PyExc_TypeError, "entries must be the call cache's dict");
+        return NULL;
+    }
+    configured = 1;
+    Py_RETURN_NONE;
+}
+
+/* ---- Local calls (sbp_torch/_frontend/_local_calls.py): ``_local_or_below_autograd`` with torch functions off. ---- */
+
+static int local_configured = 0;
+static PyObject *LocalEntries, *LocalClock;  /* LOCAL_CALLS._entries and ._clock */
+static PyObject *LocalPop;                   /* LOCAL_CALLS.pop */
+static PyObject *FloatsByType;               /* FLOATS_BY_TYPE */
+static PyObject *Refused;                    /* _REFUSED */
+static PyObject *LocalCallType;              /* LocalCall */
+static PyObject *PythonLocalOrBelow;         /* the Python _local_or_below_autograd, for what C leaves */
+static PyObject *ValuesRead;                 /* (func, err) -> raises the TypeError of a C++ composite reading values */
+static PyObject *IncrementVersion;           /* torch._C._increment_version */
+static PyObject *DispatchModes;              /* torch._C._len_torch_dispatch_stack */
+static PyObject *Autocast;                   /* torch._C._is_any_autocast_enabled */
+static PyObject *GradEnabled;                /* torch.is_grad_enabled */
+static PyObject *NotHandled;                 /* _local_calls.NOT_HANDLED */
+static PyObject *SpecialFuncs;               /* functions __torch_function__ rewrites (batched matmul, attention) */
+static PyObject *CompileTLS;                 /* torch._guards._TLS: its compile_context is set while compiling */
+static PyObject *s_requires_grad, *s_dim, *s_returns, *s_argument, *s_bumped, *s_tensor, *s_none,
+    *s_not_allocated, *s_compile_context, *s_compile_id;
+
+/* Append the key and the local value of each of ``values`` (``_walk``): 1, or 0 where the call cannot be a local
+   call (autograd records it, a plain tensor with dims meets a global one), or -1 on error. */
+static int walk(PyObject *values, int by_type, int grad, PyObject *key, PyObject *local) {
+    PyObject *seq = PySequence_Fast(values, "arguments");
+    if (seq == NULL) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    int ok = 1;
+    for (Py_ssize_t i = 0; ok == 1 && i < n; i++) {
+        PyObject *v = items[i], *k = NULL, *part = NULL;
+        PyTypeObject *t = Py_TYPE(v);
+        if ((PyObject *)t == GlobalTensorType) {
+            if (grad) {
+                PyObject *rg = PyObject_GetAttr(v, s_requires_grad);
+                if (rg == NULL) { ok = -1; break; }
+                int requires = rg == Py_True;
+                Py_DECREF(rg);
+                if (requires) { ok = 0; break; }
+            }
+            k = PyObject_GetAttr(v, s_meta);
+            part = k ? PyObject_GetAttr(v, s_local) : NULL;
+        } else if (t == &PyFloat_Type) {
+            k = by_type ? (Py_INCREF(t), (PyObject *)t) : PyTuple_Pack(2, (PyObject *)t, v);
+            part = (Py_INCREF(v), v);
+        } else if (t == &PyLong_Type || t == &PyBool_Type) {
+            k = PyTuple_Pack(2, (PyObject *)t, v);
+            part = (Py_INCREF(v), v);
+        } else if (t == &PyList_Type || t == &PyTuple_Type) {
+            PyObject *inner_key = PyList_New(0), *inner_local = PyList_New(0);
+            int inner = inner_key && inner_local ? walk(v, by_type, grad, inner_key, inner_local) : -1;
+            if (inner == 1) {
+                PyObject *keys = PyList_AsTuple(inner_key);
+                k = keys ? PyTuple_Pack(2, (PyObject *)t, keys) : NULL;
+                Py_XDECREF(keys);
+                part = t == &PyList_Type ? (Py_INCREF(inner_local), inner_local) : PyList_AsTuple(inner_local);
+            }
+            Py_XDECREF(inner_key);
+            Py_XDECREF(inner_local);
+            if (inner != 1) { ok = inner; break; }
+        } else {
+            int tensor = PyObject_IsInstance(v, TensorType);
+            if (tensor < 0) { ok = -1; break; }
+            if (tensor) {
+                int global = PyObject_IsInstance(v, GlobalTensorType);
+                if (global < 0) { ok = -1; break; }
+                if (global) { ok = 0; break; }
+                PyObject *dim = PyObject_CallMethodNoArgs(v, s_dim);
+                if (dim == NULL) { ok = -1; break; }
+                int has_dims = PyObject_IsTrue(dim);
+                Py_DECREF(dim);
+                if (has_dims) { ok = has_dims < 0 ? -1 : 0; break; }
+                if (grad) {
+                    PyObject *rg = PyObject_GetAttr(v, s_requires_grad);
+                    if (rg == NULL) { ok = -1; break; }
+                    int requires = rg == Py_True;
+                    Py_DECREF(rg);
+                    if (requires) { ok = 0; break; }
+                }
+                PyObject *dtype = PyObject_GetAttr(v, s_dtype);
+                PyObject *device = dtype ? PyObject_GetAttr(v, s_device) : NULL;
+                k = device ? PyTuple_Pack(3, s_tensor, dtype, device) : NULL;
+                Py_XDECREF(dtype);
+                Py_XDECREF(device);
+            } else {
+                k = (Py_INCREF(v), v);
+            }
+            part = (Py_INCREF(v), v);
+        }
+        if (k == NULL || part == NULL || PyList_Append(key, k) < 0 || PyList_Append(local, part) < 0) ok = -1;
+        Py_XDECREF(k);
+        Py_XDECREF(part);
+    }
+    Py_DECREF(seq);
+    return ok;
+}
+
+/* ``func(*args, **kwargs)`` below autograd (``run_below_autograd``): torch functions are off already. */
+static PyObject *below_autograd(PyObject *func, PyObject *args, PyObject *kwargs) {
+    int keywords = kwargs != NULL && kwargs != Py_None && PyDict_GET_SIZE(kwargs) > 0;
+    PyObject *result = PyObject_Call(func, args, keywords ? kwargs : NULL);
+    if (result == NULL && PyErr_ExceptionMatches(PyExc_RuntimeError)) {
+        PyObject *type, *value, *traceback;
+        PyErr_Fetch(&type, &value, &traceback);
+        PyErr_NormalizeException(&type, &value, &traceback);
+        if (traceback != NULL) PyException_SetTraceback(value, traceback);
+        PyObject *text = PyObject_Str(value);
+        int read = text ? PyUnicode_Find(text, s_not_allocated, 0, PY_SSIZE_T_MAX, 1) >= 0 : 0;
+        Py_XDECREF(text);
+        if (read) { /* a C++ composite read a wrapper's own (empty) storage: the clear error */
+            PyObject *raised = PyObject_CallFunctionObjArgs(ValuesRead, func, value, NULL);
+            Py_XDECREF(raised);
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(traceback);
+            return NULL;
+        }
+        PyErr_Restore(type, value, traceback);
+    }
+    return result;
+}
+
+static PyObject *argument_at(PyObject *args, PyObject *kwargs, PyObject *where) {
+    if (PyLong_Check(where)) {
+        Py_ssize_t i = PyLong_AsSsize_t(where);
+        if (i < 0 || i >= PyTuple_GET_SIZE(args)) {
+            PyErr_SetString(PyExc_IndexError, "sbp_torch internal error: a learnt call's argument is missing");
+            return NULL;
+        }
+        PyObject *v = PyTuple_GET_ITEM(args, i);
+        Py_INCREF(v);
+        return v;
+    }
+    PyObject *v = kwargs != NULL && kwargs != Py_None ? PyDict_GetItemWithError(kwargs, where) : NULL;
+    if (v == NULL && !PyErr_Occurred()) {
+        PyErr_SetString(PyExc_KeyError, "sbp_torch internal error: a learnt call's keyword is missing");
+    }
+    Py_XINCREF(v);
+    return v;
+}
+
+/* Bump the versions the learning call bumped (``LocalCall.finish``'s first loop); -1 on error. */
+static int bump(PyObject *bumped, PyObject *args, PyObject *kwargs) {
+    Py_ssize_t n = PyTuple_GET_SIZE(bumped);
+    for (Py_ssize_t b = 0; b < n; b++) {
+        PyObject *entry = PyTuple_GET_ITEM(bumped, b);
+        PyObject *slot = PyTuple_GET_ITEM(entry, 0), *indices = PyTuple_GET_ITEM(entry, 1);
+        long count = PyLong_AsLong(PyTuple_GET_ITEM(entry, 2));
+        PyObject *value = argument_at(args, kwargs, slot);
+        if (value == NULL) return -1;
+        PyObject *targets;
+        if (indices == Py_None) {
+            targets = PyTuple_Pack(1, value);
+        } else if (PyUnicode_Check(indices)) { /* "all" */
+            targets = (Py_INCREF(value), value);
+        } else {
+            Py_ssize_t m = PyTuple_GET_SIZE(indices);
+            targets = PyList_New(m);
+            for (Py_ssize_t j = 0; targets != NULL && j < m; j++) {
+                PyObject *item = PySequence_GetItem(value, PyLong_AsSsize_t(PyTuple_GET_ITEM(indices, j)));
+                if (item == NULL) Py_CLEAR(targets);
+                else PyList_SET_ITEM(targets, j, item);
+            }
+        }
+        Py_DECREF(value);
+        if (targets == NULL) return -1;
+        for (long c = 0; c < count; c++) {
+            PyObject *r = PyObject_CallOneArg(IncrementVersion, targets);
+            if (r == NULL) { Py_DECREF(targets); return -1; }
+            Py_DECREF(r);
+        }
+        Py_DECREF(targets);
+    }
+    return 0;
+}
+
+static int flag(PyObject *fn) {
+    PyObject *r = PyObject_CallNoArgs(fn);
+    if (r == NULL) return -1;
+    int on = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    return on;
+}
+
+/* _local_or_below_autograd(func, types, args, kwargs): a learnt local call where the key has one that returns a
+   tensor, an argument or None; any first sight, learning or other kind of return goes to the Python function. */
+static PyObject *local_or_below_autograd(PyObject *module, PyObject *const *argv, Py_ssize_t argc) {
+    if (argc != 4) {
+        PyErr_SetString(PyExc_TypeError, "_local_or_below_autograd(func, types, args, kwargs)");
+        return NULL;
+    }
+    PyObject *func = argv[0], *args = argv[2], *kwargs = argv[3];
+    if (!local_configured || !PyTuple_Check(args) || (kwargs != Py_None && !PyDict_Check(kwargs)))
+        return PyObject_Vectorcall(PythonLocalOrBelow, argv, 4, NULL);
+    int modes = flag(DispatchModes);
+    int autocast = modes == 0 ? flag(Autocast) : 0;
+    int grad = modes == 0 && autocast == 0 ? flag(GradEnabled) : 0;
+    if (modes < 0 || autocast < 0 || grad < 0) return NULL;
+    if (modes || autocast) return below_autograd(func, args, kwargs);
+    int by_type = PySet_Contains(FloatsByType, func);
+    if (by_type < 0) return NULL;
+    int has_kwargs = kwargs != Py_None && PyDict_GET_SIZE(kwargs) > 0;
+    PyObject *key = PyList_New(0), *local_args = PyList_New(0), *local_kwargs = NULL, *names = NULL;
+    PyObject *result = NULL, *tuple_key = NULL, *local_tuple = NULL, *plan = NULL, *slot = NULL;
+    if (key == NULL || local_args == NULL || PyList_Append(key, func) < 0) goto done;
+    int ok = walk(args, by_type, grad, key, local_args);
+    if (ok == 1 && has_kwargs) {
+        names = PyDict_Keys(kwargs);
+        PyObject *values = names ? PyDict_Values(kwargs) : NULL;
+        PyObject *local_values = values ? PyList_New(0) : NULL;
+        ok = local_values ? walk(values, by_type, grad, key, local_values) : -1;
+        if (ok == 1) {
+            PyObject *name_tuple = PyList_AsTuple(names);
+            local_kwargs = name_tuple ? PyDict_New() : NULL;
+            for (Py_ssize_t i = 0; local_kwargs && i < PyList_GET_SIZE(names); i++) {
+                if (PyDict_SetItem(local_kwargs, PyList_GET_ITEM(names, i), PyList_GET_ITEM(local_values, i)) < 0)
+                    Py_CLEAR(local_kwargs);
+            }
+            if (local_kwargs == NULL || PyList_Append(key, name_tuple) < 0) ok = -1;
+            Py_XDECREF(name_tuple);
+        }
+        Py_XDECREF(values);
+        Py_XDECREF(local_values);
+    }
+    if (ok < 0) goto done;
+    if (ok == 0) { /* autograd records it, or a plain tensor with dims: the dispatch path */
+        result = below_autograd(func, args, kwargs);
+        goto done;
+    }
+    tuple_key = PyList_AsTuple(key);
+    if (tuple_key == NULL) goto done;
+    slot = PyDict_GetItemWithError(LocalEntries, tuple_key);
+    if (slot == NULL) {
+        if (PyErr_Occurred()) { /* an unhashable argument (a slice, say): not a local call */
+            if (!PyErr_ExceptionMatches(PyExc_TypeError)) goto done;
+            PyErr_Clear();
+            result = below_autograd(func, args, kwargs);
+        } else { /* a first sight: Python notes it */
+            result = PyObject_Vectorcall(PythonLocalOrBelow, argv, 4, NULL);
+        }
+        slot = NULL;
+        goto done;
+    }
+    Py_INCREF(slot);
+    plan = PyList_GET_ITEM(slot, 0);
+    Py_INCREF(plan);
+    if (plan == Refused) {
+        PyObject *stamp = PyIter_Next(LocalClock);
+        if (stamp == NULL || PyList_SetItem(slot, 1, stamp) < 0) goto done;
+        result = below_autograd(func, args, kwargs);
+        goto done;
+    }
+    PyObject *returns = (PyObject *)Py_TYPE(plan) == LocalCallType ? PyObject_GetAttr(plan, s_returns) : NULL;
+    if (returns == NULL) { /* a key seen once: Python learns it */
+        if (PyErr_Occurred()) goto done;
+        result = PyObject_Vectorcall(PythonLocalOrBelow, argv, 4, NULL);
+        goto done;
+    }
+    int kind = PyUnicode_Compare(returns, s_tensor) == 0 ? 1
+               : PyUnicode_Compare(returns, s_argument) == 0 ? 2
+               : PyUnicode_Compare(returns, s_none) == 0 ? 3 : 0;
+    Py_DECREF(returns);
+    if (kind == 0) { /* a list or tuple of outputs: Python runs it */
+        result = PyObject_Vectorcall(PythonLocalOrBelow, argv, 4, NULL);
+        goto done;
+    }
+    PyObject *stamp = PyIter_Next(LocalClock); /* a hit, as LruCache.get counts it */
+    if (stamp == NULL || PyList_SetItem(slot, 1, stamp) < 0) goto done;
+    local_tuple = PyList_AsTuple(local_args);
+    if (local_tuple == NULL) goto done;
+    PyObject *local = PyObject_Call(func, local_tuple, local_kwargs);
+    if (local == NULL) { /* the others went on: closes this rank's world (docs/faults.md), then raises */
+        if (!PyErr_ExceptionMatches(PyExc_Exception)) goto done;
+        PyObject *type, *value, *traceback;
+        PyErr_Fetch(&type, &value, &traceback);
+        PyErr_NormalizeException(&type, &value, &traceback);
+        if (traceback != NULL) PyException_SetTraceback(value, traceback);
+        PyObject *noted = PyObject_CallFunctionObjArgs(LocalFailure, func, value, NULL);
+        if (noted == NULL) {
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(traceback);
+            goto done;
+        }
+        Py_DECREF(noted);
+        PyErr_Restore(type, value, traceback);
+        goto done;
+    }
+    PyObject *bumped = PyObject_GetAttr(plan, s_bumped);
+    if (bumped == NULL || bump(bumped, args, kwargs) < 0) {
+        Py_XDECREF(bumped);
+        Py_DECREF(local);
+        goto done;
+    }
+    Py_DECREF(bumped);
+    if (kind == 3) {
+        Py_DECREF(local);
+        result = (Py_INCREF(Py_None), Py_None);
+    } else if (kind == 2) {
+        Py_DECREF(local);
+        PyObject *where = PyObject_GetAttr(plan, s_argument);
+        result = where ? argument_at(args, kwargs, where) : NULL;
+        Py_XDECREF(where);
+    } else { /* one new tensor: its shape and dtype as learnt, else the key is forgotten and dispatch decides */
+        PyObject *outputs = PyObject_GetAttr(plan, s_outputs);
+        PyObject *shapes = outputs ? PyObject_GetAttr(plan, s_local_shapes) : NULL;
+        PyObject *shape = shapes ? PyObject_GetAttr(local, s_shape) : NULL;
+        PyObject *dtype = shape ? PyObject_GetAttr(local, s_dtype) : NULL;
+        if (dtype != NULL) {
+            PyObject *meta = PyTuple_GET_ITEM(outputs, 0);
+            PyObject *want = PyObject_GetAttr(meta, s_dtype);
+            int same = want ? PyObject_RichCompareBool(shape, PyTuple_GET_ITEM(shapes, 0), Py_EQ) : -1;
+            if (same == 1) same = dtype == want;
+            Py_XDECREF(want);
+            if (same == 1) {
+                result = wrap_fresh(local, meta);
+            } else if (same == 0) { /* nothing was written (a call returning new tensors writes none): run again */
+                PyObject *popped = PyObject_CallOneArg(LocalPop, tuple_key);
+                if (popped != NULL) {
+                    Py_DECREF(popped);
+                    result = below_autograd(func, args, kwargs);
+                }
+            }
+        }
+        Py_XDECREF(outputs);
+        Py_XDECREF(shapes);
+        Py_XDECREF(shape);
+        Py_XDECREF(dtype);
+        Py_DECREF(local);
+    }
+done:
+    Py_XDECREF(key);
+    Py_XDECREF(local_args);
+    Py_XDECREF(local_kwargs);
+    Py_XDECREF(names);
+    Py_XDECREF(tuple_key);
+    Py_XDECREF(local_tuple);
+    Py_XDECREF(plan);
+    Py_XDECREF(slot);
+    return result;
+}
+
+/* Whether ``values`` hold a plain tensor with dims (``_plain_inputs._plain_tensors``): 1, 0, or -1 on error. */
+static int holds_plain_tensor(PyObject *values) {
+    PyObject *seq = PySequence_Fast(values, "arguments");
+    if (seq == NULL) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    int found = 0;
+    for (Py_ssize_t i = 0; !found && i < n; i++) {
+        PyObject *v = items[i];
+        PyTypeObject *t = Py_TYPE(v);
+        if ((PyObject *)t == GlobalTensorType) continue;
+        if (t == &PyList_Type || t == &PyTuple_Type) {
+            found = holds_plain_tensor(v);
+            continue;
+        }
+        int tensor = PyObject_IsInstance(v, TensorType);
+        int global = tensor > 0 ? PyObject_IsInstance(v, GlobalTensorType) : 0;
+        if (tensor < 0 || global < 0) {
+            found = -1;
+        } else if (tensor && !global) {
+            PyObject *dim = PyObject_CallMethodNoArgs(v, s_dim);
+            found = dim == NULL ? -1 : PyObject_IsTrue(dim);
+            Py_XDECREF(dim);
+        }
+    }
+    Py_DECREF(seq);
+    return found;
+}
+
+/* Whether torch.compile's AOTAutograd or a backend runs (``_comm.compiling`` past Dynamo's own flag): 1, 0, -1. */
+static int compile_context_set(void) {
+    PyObject *context = PyObject_GetAttr(CompileTLS, s_compile_context);
+    if (context == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return -1;
+        PyErr_Clear();
+        return 0;
+    }
+    int set = 0;
+    if (context != Py_None) {
+        PyObject *id = PyObject_GetAttr(context, s_compile_id);
+        set = id == NULL ? -1 : id != Py_None;
+        Py_XDECREF(id);
+    }
+    Py_DECREF(context);
+    return set;
+}
+
+/* The eager part of GlobalTensor.__torch_function__ for a function that is not a getter, run with torch functions
+   off: ``NOT_HANDLED`` (nothing done) where Python must see the call (a plain tensor with dims among the arguments, a
+   batched matmul or attention, a compilation under way), else ``_local_or_below_autograd``. */
+static PyObject *eager_torch_function(PyObject *module, PyObject *const *argv, Py_ssize_t argc) {
+    if (argc != 4) {
+        PyErr_SetString(PyExc_TypeError, "eager_torch_function(func, types, args, kwargs)");
+        return NULL;
+    }
+    PyObject *func = argv[0], *args = argv[2], *kwargs = argv[3];
+    if (!local_configured || !PyTuple_Check(args) || (kwargs != Py_None && !PyDict_Check(kwargs))) {
+        Py_INCREF(NotHandled);
+        return NotHandled;
+    }
+    int special = PySet_Contains(SpecialFuncs, func);
+    int compiling = special == 0 ? compile_context_set() : 0;
+    int plain = special == 0 && compiling == 0 ? holds_plain_tensor(args) : 0;
+    if (plain == 0 && special == 0 && compiling == 0 && kwargs != Py_None && PyDict_GET_SIZE(kwargs) > 0) {
+        PyObject *values = PyDict_Values(kwargs);
+        plain = values ? holds_plain_tensor(values) : -1;
+        Py_XDECREF(values);
+    }
+    if (special < 0 || compiling < 0 || plain < 0) return NULL;
+    if (special || compiling || plain) {
+        Py_INCREF(NotHandled);
+        return NotHandled;
+    }
+    return local_or_below_autograd(module, argv, argc);
+}
+
+static PyObject *configure_local(PyObject *module, PyObject *kw_args, PyObject *kwargs) {
+    static char *names[] = {"entries", "clock", "pop", "floats_by_type", "refused", "local_call", "python",
+                            "values_read", "increment_version", "dispatch_modes", "autocast", "grad_enabled",
+                            "not_handled", "special", "compile_tls", NULL};
+    PyObject *values[15];
+    if (!PyArg_ParseTupleAndKeywords(kw_args, kwargs, "OOOOOOOOOOOOOOO", names, &values[0], &values[1], &values[2],
+                                     &values[3], &values[4], &values[5], &values[6], &values[7], &values[8],
+                                     &values[9], &values[10], &values[11], &values[12], &values[13], &values[14]))
+        return NULL;
+    PyObject **slots[15] = {&LocalEntries, &LocalClock, &LocalPop, &FloatsByType, &Refused, &LocalCallType,
+                            &PythonLocalOrBelow, &ValuesRead, &IncrementVersion, &DispatchModes, &Autocast,
+                            &GradEnabled, &NotHandled, &SpecialFuncs, &CompileTLS};
+    for (int i = 0; i < 15; i++) {
+        Py_INCREF(values[i]);
+        Py_XSETREF(*slots[i], values[i]);
+    }
+    if (!configured) {
+        PyErr_SetString(PyExc_RuntimeError, "configure the dispatcher's hit path first");
+        return NULL;
+    }
+    if (!PyDict_Check(LocalEntries) || !PyAnySet_Check(FloatsByType) || !PyAnySet_Check(SpecialFuncs)) {
+        PyErr_SetString(PyExc_TypeError, "entries must be a dict, floats_by_type and special sets");
+        return NULL;
+    }
+    local_configured = 1;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"eager_torch_function", (PyCFunction)(void (*)(void))eager_torch_function, METH_FASTCALL,
+     "The eager part of __torch_function__: NOT_HANDLED where Python must see the call."},
+    {"local_or_below_autograd", (PyCFunction)(void (*)(void))local_or_below_autograd, METH_FASTCALL,
+     "_local_or_below_autograd: a learnt local call that returns a tensor, an argument or None runs here."},
+    {"configure_local", (PyCFunction)(void (*)(void))configure_local, METH_VARARGS | METH_KEYWORDS,
+     "Give the local-call hit path the objects it reads (once, at import)."},
+    {"torch_dispatch", (PyCFunction)(void (*)(void))torch_dispatch, METH_FASTCALL,
+     "GlobalTensor.__torch_dispatch__: a hit of a simple cached plan runs here, any other call in Python."},
+    {"configure", (PyCFunction)(void (*)(void))configure, METH_VARARGS | METH_KEYWORDS,
+     "Give the hit path the objects it reads (once, at import)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_hit", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__hit(void) {
+    Facts = PyDict_New();
+    if (Facts == NULL) return NULL;
+    const char *texts[] = {"_local", "_meta", "func", "simple", "_op", "decision", "outputs", "local_shapes",
+                           "returns_written", "shape", "strides", "dtype", "device", "is_conj", "is_neg",
+                           "placement", "local_inputs", "detach", "requires_grad", "dim", "returns", "argument",
+                           "bumped", "tensor", "none", "data is not allocated", "compile_context", "compile_id"};
+    PyObject **strings[] = {&s_local, &s_meta, &s_func, &s_simple, &s_op, &s_decision, &s_outputs,
+                            &s_local_shapes, &s_returns_written, &s_shape, &s_strides, &s_dtype, &s_device,
+                            &s_is_conj, &s_is_neg, &s_placement, &s_local_inputs, &s_detach, &s_requires_grad,
+                            &s_dim, &s_returns, &s_argument, &s_bumped, &s_tensor, &s_none, &s_not_allocated, &s_compile_context,
+                            &s_compile_id};
+    for (size_t i = 0; i < sizeof(texts) / sizeof(texts[0]); i++) {
+        *strings[i] = PyUnicode_InternFromString(texts[i]);
+        if (*strings[i] == NULL) return NULL;
+    }
+    return PyModule_Create(&module_def);
+}
