@@ -2,8 +2,9 @@
    local calls of the frontend (after the dispatcher's part below).
 
    It does what sbp_torch/_dispatch/_dispatcher.py's ``dispatch`` does on a hit with a simple plan (``call_key``,
-   one lookup in the call cache, ``_run_simple``, ``checked_global``, ``wrap_fresh``), with no Python frame. Any other
-   call (keyword arguments, a plain tensor argument, the recorder on, a miss, a plan that is not simple) goes to the
+   one lookup in the call cache, ``_run_simple``, ``checked_global``, ``wrap_fresh``) or with a view's plan that
+   reshapes the part (``CallPlan.reshapes_part``), with no Python frame. Any other
+   call (keyword arguments, a plain tensor argument, the recorder on, a miss, any other plan) goes to the
    Python ``dispatch``, which keys and looks the call up again: this file only ever answers what the Python hit path
    would answer, and the cache it reads is the Python one. Built by setup.py as sbp_torch._dispatch._hit, against
    Python's C API alone (no torch headers): a plain C compiler is enough. */
@@ -29,7 +30,7 @@ static PyObject *Facts;             /* id(func) -> (func, scalar positions, func
 
 static PyObject *s_local, *s_meta, *s_func, *s_simple, *s_op, *s_decision, *s_outputs, *s_local_shapes,
     *s_returns_written, *s_shape, *s_strides, *s_dtype, *s_device, *s_is_conj, *s_is_neg, *s_placement,
-    *s_local_inputs, *s_detach;
+    *s_local_inputs, *s_detach, *s_reshapes_part, *s_reshape;
 
 static int configured = 0;
 
@@ -179,6 +180,55 @@ done:
     return result;
 }
 
+/* After an op failed on this rank (its error set): ``local_failure(func, err, placement, inputs)``, then the error
+   raised again (or local_failure's own, chained to it). Always NULL. */
+static PyObject *failed(PyObject *func, PyObject *plan, int with_inputs) {
+    if (!PyErr_ExceptionMatches(PyExc_Exception)) return NULL;
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    PyErr_NormalizeException(&type, &value, &traceback);
+    if (traceback != NULL) PyException_SetTraceback(value, traceback);
+    PyObject *placement = PyObject_GetAttr(plan, s_placement);
+    PyObject *inputs = placement ? (with_inputs ? PyObject_GetAttr(plan, s_local_inputs) : (Py_INCREF(Py_None), Py_None))
+                                 : NULL;
+    PyObject *noted = inputs ? PyObject_CallFunctionObjArgs(LocalFailure, func, value, placement, inputs, NULL) : NULL;
+    Py_XDECREF(placement);
+    Py_XDECREF(inputs);
+    if (noted == NULL) { /* its own error wins, chained to the op's */
+        PyObject *t2, *v2, *tb2;
+        PyErr_Fetch(&t2, &v2, &tb2);
+        PyErr_NormalizeException(&t2, &v2, &tb2);
+        PyException_SetContext(v2, value); /* steals value */
+        Py_XDECREF(type);
+        Py_XDECREF(traceback);
+        PyErr_Restore(t2, v2, tb2);
+        return NULL;
+    }
+    Py_DECREF(noted);
+    PyErr_Restore(type, value, traceback);
+    return NULL;
+}
+
+/* A plan whose local function reshapes the one input's part to the output's local shape (``reshapes_part``). */
+static PyObject *run_reshape(PyObject *func, PyObject *plan, PyObject *args) {
+    if (PyTuple_GET_SIZE(args) < 1) {
+        PyErr_SetString(PyExc_RuntimeError, "sbp_torch internal error: a reshaping plan without its input");
+        return NULL;
+    }
+    PyObject *local = PyObject_GetAttr(PyTuple_GET_ITEM(args, 0), s_local);
+    PyObject *shapes = local ? PyObject_GetAttr(plan, s_local_shapes) : NULL;
+    PyObject *out = NULL;
+    if (shapes != NULL && PyTuple_Check(shapes) && PyTuple_GET_SIZE(shapes) == 1) {
+        out = PyObject_CallMethodOneArg(local, s_reshape, PyTuple_GET_ITEM(shapes, 0));
+        if (out == NULL) failed(func, plan, 0);
+    } else if (shapes != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "sbp_torch internal error: a reshaping plan without one output");
+    }
+    Py_XDECREF(local);
+    Py_XDECREF(shapes);
+    return out == NULL ? NULL : wrap(func, plan, out);
+}
+
 /* The simple plan run on the local parts (``_run_simple``), the op called as ``op``. */
 static PyObject *run_simple(PyObject *func, PyObject *op, PyObject *plan, PyObject *args) {
     Py_ssize_t n = PyTuple_GET_SIZE(args);
@@ -200,32 +250,7 @@ static PyObject *run_simple(PyObject *func, PyObject *op, PyObject *plan, PyObje
     }
     PyObject *out = PyObject_Call(op, locals, NULL);
     Py_DECREF(locals);
-    if (out == NULL) { /* the others went on: closes this rank's world (docs/faults.md), then raises */
-        if (!PyErr_ExceptionMatches(PyExc_Exception)) return NULL;
-        PyObject *type, *value, *traceback;
-        PyErr_Fetch(&type, &value, &traceback);
-        PyErr_NormalizeException(&type, &value, &traceback);
-        if (traceback != NULL) PyException_SetTraceback(value, traceback);
-        PyObject *placement = PyObject_GetAttr(plan, s_placement);
-        PyObject *inputs = placement ? PyObject_GetAttr(plan, s_local_inputs) : NULL;
-        PyObject *noted = inputs ? PyObject_CallFunctionObjArgs(LocalFailure, func, value, placement, inputs, NULL)
-                                 : NULL;
-        Py_XDECREF(placement);
-        Py_XDECREF(inputs);
-        if (noted == NULL) { /* its own error wins, chained to the op's */
-            PyObject *t2, *v2, *tb2;
-            PyErr_Fetch(&t2, &v2, &tb2);
-            PyErr_NormalizeException(&t2, &v2, &tb2);
-            PyException_SetContext(v2, value); /* steals value */
-            Py_XDECREF(type);
-            Py_XDECREF(traceback);
-            PyErr_Restore(t2, v2, tb2);
-            return NULL;
-        }
-        Py_DECREF(noted);
-        PyErr_Restore(type, value, traceback);
-        return NULL;
-    }
+    if (out == NULL) return failed(func, plan, 1); /* the others went on: closes this rank's world, then raises */
     PyObject *returns_written = PyObject_GetAttr(plan, s_returns_written);
     if (returns_written == NULL) {
         Py_DECREF(out);
@@ -314,14 +339,17 @@ static PyObject *torch_dispatch(PyObject *module, PyObject *const *argv, Py_ssiz
     PyObject *plan = PyList_GET_ITEM(slot, 0);
     Py_INCREF(slot);
     Py_INCREF(plan);
-    int fits = (PyObject *)Py_TYPE(plan) == CallPlanType;
+    int fits = (PyObject *)Py_TYPE(plan) == CallPlanType, simple_plan = 0;
     if (fits) {
         PyObject *planned = PyObject_GetAttr(plan, s_func);
         PyObject *simple = planned ? PyObject_GetAttr(plan, s_simple) : NULL;
-        fits = simple != NULL && planned == func && simple == Py_True;
+        PyObject *reshapes = simple ? PyObject_GetAttr(plan, s_reshapes_part) : NULL;
+        simple_plan = simple == Py_True;
+        fits = reshapes != NULL && planned == func && (simple_plan || reshapes == Py_True);
         Py_XDECREF(planned);
         Py_XDECREF(simple);
-        if (simple == NULL) {
+        Py_XDECREF(reshapes);
+        if (reshapes == NULL) {
             Py_DECREF(slot);
             Py_DECREF(plan);
             Py_DECREF(op);
@@ -332,7 +360,9 @@ static PyObject *torch_dispatch(PyObject *module, PyObject *const *argv, Py_ssiz
         result = slow(func, args, kwargs);
     } else {
         PyObject *stamp = PyIter_Next(Clock); /* a hit, as LruCache.get counts it */
-        if (stamp != NULL && PyList_SetItem(slot, 1, stamp) == 0) result = run_simple(func, op, plan, args);
+        if (stamp != NULL && PyList_SetItem(slot, 1, stamp) == 0) {
+            result = simple_plan ? run_simple(func, op, plan, args) : run_reshape(func, plan, args);
+        }
     }
     Py_DECREF(slot);
     Py_DECREF(plan);
@@ -833,12 +863,13 @@ PyMODINIT_FUNC PyInit__hit(void) {
     const char *texts[] = {"_local", "_meta", "func", "simple", "_op", "decision", "outputs", "local_shapes",
                            "returns_written", "shape", "strides", "dtype", "device", "is_conj", "is_neg",
                            "placement", "local_inputs", "detach", "requires_grad", "dim", "returns", "argument",
-                           "bumped", "tensor", "none", "data is not allocated", "compile_context", "compile_id"};
+                           "bumped", "tensor", "none", "data is not allocated", "compile_context", "compile_id",
+                           "reshapes_part", "reshape"};
     PyObject **strings[] = {&s_local, &s_meta, &s_func, &s_simple, &s_op, &s_decision, &s_outputs,
                             &s_local_shapes, &s_returns_written, &s_shape, &s_strides, &s_dtype, &s_device,
                             &s_is_conj, &s_is_neg, &s_placement, &s_local_inputs, &s_detach, &s_requires_grad,
                             &s_dim, &s_returns, &s_argument, &s_bumped, &s_tensor, &s_none, &s_not_allocated, &s_compile_context,
-                            &s_compile_id};
+                            &s_compile_id, &s_reshapes_part, &s_reshape};
     for (size_t i = 0; i < sizeof(texts) / sizeof(texts[0]); i++) {
         *strings[i] = PyUnicode_InternFromString(texts[i]);
         if (*strings[i] == NULL) return NULL;

@@ -515,7 +515,8 @@ def native_hit_body():
         lambda: x.sum(dim=[0]),  # a list argument
         lambda: (x * w).detach(),  # detach, and a backward-recording op
         lambda: x.add_(1).mul_(0.5),  # in place: returns its self
-        lambda: x.view(4, 5),  # a view: its plan is not simple, the C path hands it to Python
+        lambda: x.view(5, 2, 2),  # a view keeping the split: its plan reshapes the part, which C does itself
+        lambda: x.transpose(0, 1),  # a view with another local function: C hands it to Python
     ]
     handlers = {"python": _dispatcher.torch_dispatch, "c": _native.torch_dispatch}
     results, counts, entered = {}, {}, {}
@@ -534,6 +535,7 @@ def native_hit_body():
             counts[name] = CALLS.info()[:2]  # (hits, misses) of the call cache
             sys.setprofile(profiler)
             x * w  # a hit of a simple plan (w requires grad: not a local call)
+            x.view(5, 2, 2)  # a hit of a plan that reshapes the part (views are never local calls)
             sys.setprofile(None)
             entered[name] = len(calls)
         finally:
@@ -543,12 +545,13 @@ def native_hit_body():
 
 
 def test_the_c_hit_path_answers_as_the_python_one():
-    """The dispatcher's hit path in C (``csrc/hit_paths.c``) is built, runs a cached simple plan without entering
-    Python's ``dispatch``, and gives the values and cache counts the Python handler gives, call for call."""
+    """The dispatcher's hit path in C (``csrc/hit_paths.c``) is built, runs a cached simple plan and a view's plan
+    without entering Python's ``dispatch``, and gives the values and cache counts the Python handler gives, call for
+    call."""
     for native, results, counts, entered in run_on_world(2, native_hit_body):
         assert native, "the C hit path is not built (setup.py builds it wherever a C compiler is)"
         for want, got in zip(results["python"], results["c"]):
             for a, b in zip(want, got):
                 torch.testing.assert_close(b, a, rtol=0, atol=0)
         assert counts["c"] == counts["python"]
-        assert entered == {"python": 1, "c": 0}
+        assert entered == {"python": 2, "c": 0}

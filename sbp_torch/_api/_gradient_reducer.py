@@ -27,7 +27,8 @@ class GradientReducer:
 
     def __init__(self, params: list[nn.Parameter], bucket_mb: float, module: nn.Module):
         self.bucket_bytes = int(bucket_mb * 2**20)
-        self.buckets: dict = {}
+        self.buckets: dict = {}  # key -> the parameters whose gradients it holds
+        self.bucket_bytes_held: dict = {}  # key -> their gradients' bytes (kept, not summed again per gradient)
         self.in_flight: list = []
         self.flush_queued = False
         _REDUCERS.add(self)
@@ -49,10 +50,12 @@ class GradientReducer:
             return
         route = tuple((s.axis, s.src) for s in plan.steps)
         # all-reduce buckets share a target layout; reduce-scatter buckets mix them (each part is cut alone)
-        key = (grad.placement, grad.dtype, route, "reduce-scatter" if scatter else target)
-        bucket = self.buckets.setdefault(key, [])
-        bucket.append(param)
-        if sum(p.grad._local.numel() for p in bucket) * grad.dtype.itemsize >= self.bucket_bytes:
+        meta = grad._meta  # (its fields, not the tensor's getters: no torch function per gradient)
+        key = (meta.placement, meta.dtype, route, "reduce-scatter" if scatter else target)
+        self.buckets.setdefault(key, []).append(param)
+        held = self.bucket_bytes_held.get(key, 0) + grad._local.numel() * meta.dtype.itemsize
+        self.bucket_bytes_held[key] = held
+        if held >= self.bucket_bytes:
             self._start(key)
         if not self.flush_queued:
             self.flush_queued = True
@@ -68,12 +71,14 @@ class GradientReducer:
         """Forget the buckets of a backward that raised before it ended (its end-of-backward callback never ran).
         Its all-reduces already started finish on their own; their results are not used."""
         self.buckets.clear()
+        self.bucket_bytes_held.clear()
         self.in_flight.clear()
         self.flush_queued = False
 
     def _start(self, key) -> None:
         """Start bucket ``key``: its first all-reduce (later axes run when it finishes), or its reduce-scatter."""
         params = self.buckets.pop(key, [])
+        self.bucket_bytes_held.pop(key, None)
         if not params:
             return
         placement, _, steps, target = key

@@ -30,6 +30,9 @@ class CallPlan:
     local_shapes: tuple  # this rank's part shape of each output
     local_inputs: tuple  # GlobalMeta of each input in its decided layout (what a local function is told)
     reduce_along: Callable  # (tensor, op, axis) -> tensor all-reduced along that placement axis, for local functions
+    # The local function reshapes the one global input's part, the first argument, unboxed, to the output's local
+    # shape (views): ``_run`` calls it; the C hit path runs ``part.reshape(local shape)`` itself.
+    reshapes_part: bool
     # The common case, run by ``_run_simple``: globals only as positional arguments, none boxed, no local
     # function, a member rank, and one new output or the written self returned.
     simple: bool
@@ -74,6 +77,16 @@ def compile_plan(bound: BoundCall, decision: Decision) -> CallPlan:
             or (not written and bound.schema.returns_one_tensor)
         )
     )
+    local_fn = decision.rule.local_fns.get(decision.local_fn) if decision.local_fn else None
+    reshapes_part = (
+        coord is not None
+        and getattr(local_fn, "reshapes_part", False)
+        and decision.rule.outside is None
+        and slots == ((0, None),)
+        and plans == [None]
+        and not written
+        and len(decision.outputs) == 1
+    )
     return CallPlan(
         func,
         decision,
@@ -86,6 +99,7 @@ def compile_plan(bound: BoundCall, decision: Decision) -> CallPlan:
         tuple(m.local_shape(coord) for m in decision.outputs),
         tuple(local_inputs),
         lambda x, op, axis: comm.all_reduce(x, op, comm.axis_group(placement, axis)),
+        reshapes_part,
         simple,
     )
 
