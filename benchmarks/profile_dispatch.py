@@ -67,8 +67,7 @@ def _grad_parts(x: torch.Tensor, h) -> list[list[str]]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    from sbp_torch._dispatch import _dispatcher, _native
-    from sbp_torch._frontend import _torch_function
+    from sbp_torch._dispatch import _native
 
     cls, off = type(h), torch._C._disabled_torch_function_impl
     plain = x.detach().requires_grad_()
@@ -86,11 +85,8 @@ def _grad_parts(x: torch.Tensor, h) -> list[list[str]]:
         ["sbp_torch, a `__torch_function__` that only calls below autograd", f"{_per_call_us(rows[2][1]):.1f}"]
     )
     cls.__torch_function__ = ours
-    native = (cls.__dict__["__torch_dispatch__"], _torch_function._EAGER, _torch_function._LOCAL_OR_BELOW_AUTOGRAD)
-    cls.__torch_dispatch__ = classmethod(_dispatcher.torch_dispatch)
-    _torch_function._EAGER, _torch_function._LOCAL_OR_BELOW_AUTOGRAD = None, _torch_function._local_or_below_autograd
-    timed.append(["sbp_torch, the Python handlers", f"{_per_call_us(rows[2][1]):.1f}"])
-    cls.__torch_dispatch__, _torch_function._EAGER, _torch_function._LOCAL_OR_BELOW_AUTOGRAD = native
+    with harness.python_handlers():
+        timed.append(["sbp_torch, the Python handlers", f"{_per_call_us(rows[2][1]):.1f}"])
     timed.append(["(the C hit paths in use)", "yes" if _native.NATIVE else "no"])
     return timed
 
