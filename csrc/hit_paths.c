@@ -40,18 +40,28 @@ static PyObject *key_of(PyObject *value, int is_scalar) {
     PyTypeObject *type = Py_TYPE(value);
     if ((PyObject *)type == GlobalTensorType) return PyObject_GetAttr(value, s_meta);
     if (PyList_Check(value) || PyTuple_Check(value)) {
-        Py_ssize_t n = PySequence_Fast_GET_SIZE(value);
-        PyObject **items = PySequence_Fast_ITEMS(value);
+        /* (a snapshot: keying an element may run Python code that changes a list) */
+        PyObject *items = PySequence_Tuple(value);
+        if (items == NULL) return NULL;
+        Py_ssize_t n = PyTuple_GET_SIZE(items);
         PyObject *inner = PyTuple_New(n);
-        if (inner == NULL) return NULL;
+        if (inner == NULL || Py_EnterRecursiveCall(" while keying an sbp_torch call")) {
+            Py_XDECREF(inner);
+            Py_DECREF(items);
+            return NULL;
+        }
         for (Py_ssize_t i = 0; i < n; i++) {
-            PyObject *k = key_of(items[i], is_scalar);
+            PyObject *k = key_of(PyTuple_GET_ITEM(items, i), is_scalar);
             if (k == NULL) {
+                Py_LeaveRecursiveCall();
                 Py_DECREF(inner);
+                Py_DECREF(items);
                 return NULL;
             }
             PyTuple_SET_ITEM(inner, i, k);
         }
+        Py_LeaveRecursiveCall();
+        Py_DECREF(items);
         PyObject *key = PyTuple_Pack(2, (PyObject *)type, inner);
         Py_DECREF(inner);
         return key;
@@ -180,32 +190,65 @@ done:
     return result;
 }
 
-/* After an op failed on this rank (its error set): ``local_failure(func, err, placement, inputs)``, then the error
-   raised again (or local_failure's own, chained to it). Always NULL. */
-static PyObject *failed(PyObject *func, PyObject *plan, int with_inputs) {
+/* With the raised error (an ``Exception``) taken as the one being handled, as inside Python's ``except``:
+   ``callable(func, err, *more)`` (``more``: up to two more arguments, NULL-terminated), then the error raised again;
+   an error of the call itself wins, its context the first, as Python chains it. Always NULL. Errors that are not an
+   ``Exception`` (KeyboardInterrupt) pass untouched, as ``except Exception`` lets them. */
+static PyObject *raise_after(PyObject *callable, PyObject *func, PyObject *more0, PyObject *more1) {
     if (!PyErr_ExceptionMatches(PyExc_Exception)) return NULL;
     PyObject *type, *value, *traceback;
     PyErr_Fetch(&type, &value, &traceback);
     PyErr_NormalizeException(&type, &value, &traceback);
     if (traceback != NULL) PyException_SetTraceback(value, traceback);
-    PyObject *placement = PyObject_GetAttr(plan, s_placement);
-    PyObject *inputs = placement ? (with_inputs ? PyObject_GetAttr(plan, s_local_inputs) : (Py_INCREF(Py_None), Py_None))
-                                 : NULL;
-    PyObject *noted = inputs ? PyObject_CallFunctionObjArgs(LocalFailure, func, value, placement, inputs, NULL) : NULL;
-    Py_XDECREF(placement);
-    Py_XDECREF(inputs);
-    if (noted == NULL) { /* its own error wins, chained to the op's */
-        PyObject *t2, *v2, *tb2;
-        PyErr_Fetch(&t2, &v2, &tb2);
-        PyErr_NormalizeException(&t2, &v2, &tb2);
-        PyException_SetContext(v2, value); /* steals value */
+    PyObject *argv[4] = {func, value, more0, more1};
+    size_t n = more0 == NULL ? 2 : more1 == NULL ? 3 : 4;
+#if PY_VERSION_HEX >= 0x030B0000
+    PyObject *handled = PyErr_GetHandledException();
+    PyErr_SetHandledException(value);
+    PyObject *noted = PyObject_Vectorcall(callable, argv, n, NULL);
+    PyErr_SetHandledException(handled);
+    Py_XDECREF(handled);
+#else
+    PyObject *h_type, *h_value, *h_traceback;
+    PyErr_GetExcInfo(&h_type, &h_value, &h_traceback);
+    Py_INCREF(type);
+    Py_INCREF(value);
+    Py_XINCREF(traceback);
+    PyErr_SetExcInfo(type, value, traceback);
+    PyObject *noted = PyObject_Vectorcall(callable, argv, n, NULL);
+    PyErr_SetExcInfo(h_type, h_value, h_traceback);
+#endif
+    if (noted == NULL) { /* its own error wins (chained to ours by Python, which saw ours as being handled) */
         Py_XDECREF(type);
+        Py_XDECREF(value);
         Py_XDECREF(traceback);
-        PyErr_Restore(t2, v2, tb2);
         return NULL;
     }
     Py_DECREF(noted);
     PyErr_Restore(type, value, traceback);
+    return NULL;
+}
+
+/* After an op failed on this rank (its error set): ``local_failure(func, err, placement, inputs)``, then the error
+   raised again. Always NULL. */
+static PyObject *failed(PyObject *func, PyObject *plan, int with_inputs) {
+    if (!PyErr_ExceptionMatches(PyExc_Exception)) return NULL;
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback); /* (kept aside while the plan is read) */
+    PyObject *placement = PyObject_GetAttr(plan, s_placement);
+    PyObject *inputs = placement ? (with_inputs ? PyObject_GetAttr(plan, s_local_inputs) : (Py_INCREF(Py_None), Py_None))
+                                 : NULL;
+    if (inputs == NULL) {
+        Py_XDECREF(placement);
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(traceback);
+        return NULL;
+    }
+    PyErr_Restore(type, value, traceback);
+    raise_after(LocalFailure, func, placement, inputs);
+    Py_DECREF(placement);
+    Py_DECREF(inputs);
     return NULL;
 }
 
@@ -280,7 +323,11 @@ static PyObject *torch_dispatch(PyObject *module, PyObject *const *argv, Py_ssiz
     if (args == NULL) args = empty_args = PyTuple_New(0);
     if (args == NULL) return NULL;
     PyObject *result = NULL;
-    if (!configured || !PyTuple_Check(args) ||
+    if (!configured) {
+        PyErr_SetString(PyExc_RuntimeError, "sbp_torch._dispatch._hit is not configured");
+        goto done;
+    }
+    if (!PyTuple_Check(args) ||
         (kwargs != NULL && kwargs != Py_None && (!PyDict_Check(kwargs) || PyDict_GET_SIZE(kwargs) > 0))) {
         result = slow(func, args, kwargs);
         goto done;
@@ -329,15 +376,18 @@ static PyObject *torch_dispatch(PyObject *module, PyObject *const *argv, Py_ssiz
         PyTuple_SET_ITEM(key, i + 1, k);
     }
     PyObject *slot = PyDict_GetItemWithError(Entries, key); /* borrowed */
+    Py_XINCREF(slot);
     Py_DECREF(key);
-    if (slot == NULL) { /* a miss, or an unhashable key: Python decides */
+    if (slot == NULL) { /* a miss, or an unhashable key (as ``dispatch`` catches TypeError): Python decides */
         Py_DECREF(op);
-        PyErr_Clear();
+        if (PyErr_Occurred()) {
+            if (!PyErr_ExceptionMatches(PyExc_TypeError)) goto done;
+            PyErr_Clear();
+        }
         result = slow(func, args, kwargs);
         goto done;
     }
     PyObject *plan = PyList_GET_ITEM(slot, 0);
-    Py_INCREF(slot);
     Py_INCREF(plan);
     int fits = (PyObject *)Py_TYPE(plan) == CallPlanType, simple_plan = 0;
     if (fits) {
@@ -381,16 +431,16 @@ static PyObject *configure(PyObject *module, PyObject *kw_args, PyObject *kwargs
                                      &values[2], &values[3], &values[4], &values[5], &values[6], &values[7],
                                      &values[8], &values[9], &values[10], &values[11], &values[12], &values[13]))
         return NULL;
+    if (!PyDict_Check(values[3])) { /* (checked before anything is kept) */
+        PyErr_SetString(PyExc_TypeError, "entries must be the call cache's dict");
+        return NULL;
+    }
     PyObject **slots[14] = {&GlobalTensorType, &TensorType, &CallPlanType, &Entries, &Clock, &Recorder, &Detach,
                             &SlowDispatch, &ScalarPositions, &CheckedGlobal, &LocalFailure, &MakeWrapper,
                             &Strided, &OpOverloadType};
     for (int i = 0; i < 14; i++) {
         Py_INCREF(values[i]);
         Py_XSETREF(*slots[i], values[i]);
-    }
-    if (!PyDict_Check(Entries)) {
-        PyErr_SetString(PyExc_TypeError, "entries must be the call cache's dict");
-        return NULL;
     }
     configured = 1;
     Py_RETURN_NONE;
@@ -419,13 +469,17 @@ static PyObject *s_requires_grad, *s_dim, *s_returns, *s_argument, *s_bumped, *s
 /* Append the key and the local value of each of ``values`` (``_walk``): 1, or 0 where the call cannot be a local
    call (autograd records it, a plain tensor with dims meets a global one), or -1 on error. */
 static int walk(PyObject *values, int by_type, int grad, PyObject *key, PyObject *local) {
-    PyObject *seq = PySequence_Fast(values, "arguments");
+    /* (a snapshot: reading an element may run Python code that changes a list) */
+    PyObject *seq = PySequence_Tuple(values);
     if (seq == NULL) return -1;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
+    if (Py_EnterRecursiveCall(" while walking an sbp_torch call's arguments")) {
+        Py_DECREF(seq);
+        return -1;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(seq);
     int ok = 1;
     for (Py_ssize_t i = 0; ok == 1 && i < n; i++) {
-        PyObject *v = items[i], *k = NULL, *part = NULL;
+        PyObject *v = PyTuple_GET_ITEM(seq, i), *k = NULL, *part = NULL;
         PyTypeObject *t = Py_TYPE(v);
         if ((PyObject *)t == GlobalTensorType) {
             if (grad) {
@@ -488,6 +542,7 @@ static int walk(PyObject *values, int by_type, int grad, PyObject *key, PyObject
         Py_XDECREF(k);
         Py_XDECREF(part);
     }
+    Py_LeaveRecursiveCall();
     Py_DECREF(seq);
     return ok;
 }
@@ -500,19 +555,20 @@ static PyObject *below_autograd(PyObject *func, PyObject *args, PyObject *kwargs
         PyObject *type, *value, *traceback;
         PyErr_Fetch(&type, &value, &traceback);
         PyErr_NormalizeException(&type, &value, &traceback);
-        if (traceback != NULL) PyException_SetTraceback(value, traceback);
         PyObject *text = PyObject_Str(value);
-        int read = text ? PyUnicode_Find(text, s_not_allocated, 0, PY_SSIZE_T_MAX, 1) >= 0 : 0;
+        Py_ssize_t at = text ? PyUnicode_Find(text, s_not_allocated, 0, PY_SSIZE_T_MAX, 1) : -2;
         Py_XDECREF(text);
-        if (read) { /* a C++ composite read a wrapper's own (empty) storage: the clear error */
-            PyObject *raised = PyObject_CallFunctionObjArgs(ValuesRead, func, value, NULL);
-            Py_XDECREF(raised);
+        if (at == -2) { /* str() or the search failed: that error goes on */
             Py_XDECREF(type);
             Py_XDECREF(value);
             Py_XDECREF(traceback);
             return NULL;
         }
         PyErr_Restore(type, value, traceback);
+        if (at >= 0) { /* a C++ composite read a wrapper's own (empty) storage: the clear error */
+            raise_after(ValuesRead, func, NULL, NULL);
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_SystemError, "values_read returned instead of raising");
+        }
     }
     return result;
 }
@@ -520,6 +576,7 @@ static PyObject *below_autograd(PyObject *func, PyObject *args, PyObject *kwargs
 static PyObject *argument_at(PyObject *args, PyObject *kwargs, PyObject *where) {
     if (PyLong_Check(where)) {
         Py_ssize_t i = PyLong_AsSsize_t(where);
+        if (i == -1 && PyErr_Occurred()) return NULL;
         if (i < 0 || i >= PyTuple_GET_SIZE(args)) {
             PyErr_SetString(PyExc_IndexError, "sbp_torch internal error: a learnt call's argument is missing");
             return NULL;
@@ -543,6 +600,7 @@ static int bump(PyObject *bumped, PyObject *args, PyObject *kwargs) {
         PyObject *entry = PyTuple_GET_ITEM(bumped, b);
         PyObject *slot = PyTuple_GET_ITEM(entry, 0), *indices = PyTuple_GET_ITEM(entry, 1);
         long count = PyLong_AsLong(PyTuple_GET_ITEM(entry, 2));
+        if (count == -1 && PyErr_Occurred()) return -1;
         PyObject *value = argument_at(args, kwargs, slot);
         if (value == NULL) return -1;
         PyObject *targets;
@@ -554,7 +612,8 @@ static int bump(PyObject *bumped, PyObject *args, PyObject *kwargs) {
             Py_ssize_t m = PyTuple_GET_SIZE(indices);
             targets = PyList_New(m);
             for (Py_ssize_t j = 0; targets != NULL && j < m; j++) {
-                PyObject *item = PySequence_GetItem(value, PyLong_AsSsize_t(PyTuple_GET_ITEM(indices, j)));
+                Py_ssize_t at = PyLong_AsSsize_t(PyTuple_GET_ITEM(indices, j));
+                PyObject *item = at == -1 && PyErr_Occurred() ? NULL : PySequence_GetItem(value, at);
                 if (item == NULL) Py_CLEAR(targets);
                 else PyList_SET_ITEM(targets, j, item);
             }
@@ -587,7 +646,11 @@ static PyObject *local_or_below_autograd(PyObject *module, PyObject *const *argv
         return NULL;
     }
     PyObject *func = argv[0], *args = argv[2], *kwargs = argv[3];
-    if (!local_configured || !PyTuple_Check(args) || (kwargs != Py_None && !PyDict_Check(kwargs)))
+    if (!local_configured) {
+        PyErr_SetString(PyExc_RuntimeError, "sbp_torch._dispatch._hit's local calls are not configured");
+        return NULL;
+    }
+    if (!PyTuple_Check(args) || (kwargs != Py_None && !PyDict_Check(kwargs)))
         return PyObject_Vectorcall(PythonLocalOrBelow, argv, 4, NULL);
     int modes = flag(DispatchModes);
     int autocast = modes == 0 ? flag(Autocast) : 0;
@@ -653,10 +716,13 @@ static PyObject *local_or_below_autograd(PyObject *module, PyObject *const *argv
         result = PyObject_Vectorcall(PythonLocalOrBelow, argv, 4, NULL);
         goto done;
     }
-    int kind = PyUnicode_Compare(returns, s_tensor) == 0 ? 1
+    int kind = !PyUnicode_Check(returns)                      ? 0
+               : PyUnicode_Compare(returns, s_tensor) == 0   ? 1
                : PyUnicode_Compare(returns, s_argument) == 0 ? 2
-               : PyUnicode_Compare(returns, s_none) == 0 ? 3 : 0;
+               : PyUnicode_Compare(returns, s_none) == 0     ? 3
+                                                             : 0;
     Py_DECREF(returns);
+    if (PyErr_Occurred()) goto done;
     if (kind == 0) { /* a list or tuple of outputs: Python runs it */
         result = PyObject_Vectorcall(PythonLocalOrBelow, argv, 4, NULL);
         goto done;
@@ -667,20 +733,7 @@ static PyObject *local_or_below_autograd(PyObject *module, PyObject *const *argv
     if (local_tuple == NULL) goto done;
     PyObject *local = PyObject_Call(func, local_tuple, local_kwargs);
     if (local == NULL) { /* the others went on: closes this rank's world (docs/faults.md), then raises */
-        if (!PyErr_ExceptionMatches(PyExc_Exception)) goto done;
-        PyObject *type, *value, *traceback;
-        PyErr_Fetch(&type, &value, &traceback);
-        PyErr_NormalizeException(&type, &value, &traceback);
-        if (traceback != NULL) PyException_SetTraceback(value, traceback);
-        PyObject *noted = PyObject_CallFunctionObjArgs(LocalFailure, func, value, NULL);
-        if (noted == NULL) {
-            Py_XDECREF(type);
-            Py_XDECREF(value);
-            Py_XDECREF(traceback);
-            goto done;
-        }
-        Py_DECREF(noted);
-        PyErr_Restore(type, value, traceback);
+        raise_after(LocalFailure, func, NULL, NULL);
         goto done;
     }
     PyObject *bumped = PyObject_GetAttr(plan, s_bumped);
@@ -739,13 +792,16 @@ done:
 
 /* Whether ``values`` hold a plain tensor with dims (``_plain_inputs._plain_tensors``): 1, 0, or -1 on error. */
 static int holds_plain_tensor(PyObject *values) {
-    PyObject *seq = PySequence_Fast(values, "arguments");
+    PyObject *seq = PySequence_Tuple(values); /* (a snapshot, as in walk) */
     if (seq == NULL) return -1;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
+    if (Py_EnterRecursiveCall(" while walking an sbp_torch call's arguments")) {
+        Py_DECREF(seq);
+        return -1;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(seq);
     int found = 0;
     for (Py_ssize_t i = 0; !found && i < n; i++) {
-        PyObject *v = items[i];
+        PyObject *v = PyTuple_GET_ITEM(seq, i);
         PyTypeObject *t = Py_TYPE(v);
         if ((PyObject *)t == GlobalTensorType) continue;
         if (t == &PyList_Type || t == &PyTuple_Type) {
@@ -762,6 +818,7 @@ static int holds_plain_tensor(PyObject *values) {
             Py_XDECREF(dim);
         }
     }
+    Py_LeaveRecursiveCall();
     Py_DECREF(seq);
     return found;
 }
@@ -793,7 +850,11 @@ static PyObject *eager_torch_function(PyObject *module, PyObject *const *argv, P
         return NULL;
     }
     PyObject *func = argv[0], *args = argv[2], *kwargs = argv[3];
-    if (!local_configured || !PyTuple_Check(args) || (kwargs != Py_None && !PyDict_Check(kwargs))) {
+    if (!local_configured) {
+        PyErr_SetString(PyExc_RuntimeError, "sbp_torch._dispatch._hit's local calls are not configured");
+        return NULL;
+    }
+    if (!PyTuple_Check(args) || (kwargs != Py_None && !PyDict_Check(kwargs))) {
         Py_INCREF(NotHandled);
         return NotHandled;
     }
@@ -822,20 +883,20 @@ static PyObject *configure_local(PyObject *module, PyObject *kw_args, PyObject *
                                      &values[3], &values[4], &values[5], &values[6], &values[7], &values[8],
                                      &values[9], &values[10], &values[11], &values[12], &values[13], &values[14]))
         return NULL;
+    if (!configured) { /* (checked before anything is kept) */
+        PyErr_SetString(PyExc_RuntimeError, "configure the dispatcher's hit path first");
+        return NULL;
+    }
+    if (!PyDict_Check(values[0]) || !PyAnySet_Check(values[3]) || !PyAnySet_Check(values[13])) {
+        PyErr_SetString(PyExc_TypeError, "entries must be a dict, floats_by_type and special sets");
+        return NULL;
+    }
     PyObject **slots[15] = {&LocalEntries, &LocalClock, &LocalPop, &FloatsByType, &Refused, &LocalCallType,
                             &PythonLocalOrBelow, &ValuesRead, &IncrementVersion, &DispatchModes, &Autocast,
                             &GradEnabled, &NotHandled, &SpecialFuncs, &CompileTLS};
     for (int i = 0; i < 15; i++) {
         Py_INCREF(values[i]);
         Py_XSETREF(*slots[i], values[i]);
-    }
-    if (!configured) {
-        PyErr_SetString(PyExc_RuntimeError, "configure the dispatcher's hit path first");
-        return NULL;
-    }
-    if (!PyDict_Check(LocalEntries) || !PyAnySet_Check(FloatsByType) || !PyAnySet_Check(SpecialFuncs)) {
-        PyErr_SetString(PyExc_TypeError, "entries must be a dict, floats_by_type and special sets");
-        return NULL;
     }
     local_configured = 1;
     Py_RETURN_NONE;

@@ -393,3 +393,30 @@ def test_the_c_local_calls_answer_as_the_python_ones():
         assert counts["c"] == counts["python"]
         assert versions["c"] == versions["python"]
         assert entered == {"python": 1, "c": 0}
+
+
+def hostile_arguments_body():
+    p = st.placement("cpu", [0])
+    x = torch.randn(4, 4).to_global(p, broadcast)
+    arguments = []
+
+    class ClearsTheList:
+        @property
+        def __class__(self):  # read by isinstance while the argument is walked
+            arguments.clear()
+            return ClearsTheList
+
+    arguments.extend([ClearsTheList()] + [object() for _ in range(50)])
+    ran = torch.overrides.handle_torch_function(lambda *a: "ran", (x,), x, arguments)
+    nested: list = []
+    for _ in range(100_000):
+        nested = [nested]
+    with pytest.raises(RecursionError):
+        torch.overrides.handle_torch_function(lambda *a: "ran", (x,), x, nested)
+    return ran
+
+
+def test_arguments_that_change_or_nest_deeply_are_walked_safely():
+    """An argument list that a walked element changes, and a list nested 100000 deep: the C walk over a snapshot,
+    within Python's recursion limit, as Python's own walk (either once crashed the process)."""
+    assert run_on_world(1, hostile_arguments_body) == ["ran"]
