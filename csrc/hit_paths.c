@@ -466,29 +466,42 @@ static PyObject *CompileTLS;                 /* torch._guards._TLS: its compile_
 static PyObject *s_requires_grad, *s_dim, *s_returns, *s_argument, *s_bumped, *s_tensor, *s_none,
     *s_not_allocated, *s_compile_context, *s_compile_id;
 
+/* ``t.requires_grad`` (torch functions are off: no Python entry): 1, 0, or -1 with an error set. */
+static int requires_grad(PyObject *t) {
+    PyObject *value = PyObject_GetAttr(t, s_requires_grad);
+    if (value == NULL) return -1;
+    int requires = value == Py_True;
+    Py_DECREF(value);
+    return requires;
+}
+
+/* A walk over ``values`` starts: a snapshot of them (reading an element may run Python code that changes a list),
+   within Python's recursion limit (a list nested deeper raises RecursionError, as Python's walk does); NULL on error.
+   ``leave_walk`` ends it. */
+static PyObject *enter_walk(PyObject *values) {
+    PyObject *seq = PySequence_Tuple(values);
+    if (seq != NULL && Py_EnterRecursiveCall(" while walking an sbp_torch call's arguments")) Py_CLEAR(seq);
+    return seq;
+}
+
+static void leave_walk(PyObject *seq) {
+    Py_LeaveRecursiveCall();
+    Py_DECREF(seq);
+}
+
 /* Append the key and the local value of each of ``values`` (``_walk``): 1, or 0 where the call cannot be a local
    call (autograd records it, a plain tensor with dims meets a global one), or -1 on error. */
 static int walk(PyObject *values, int by_type, int grad, PyObject *key, PyObject *local) {
-    /* (a snapshot: reading an element may run Python code that changes a list) */
-    PyObject *seq = PySequence_Tuple(values);
+    PyObject *seq = enter_walk(values);
     if (seq == NULL) return -1;
-    if (Py_EnterRecursiveCall(" while walking an sbp_torch call's arguments")) {
-        Py_DECREF(seq);
-        return -1;
-    }
     Py_ssize_t n = PyTuple_GET_SIZE(seq);
     int ok = 1;
     for (Py_ssize_t i = 0; ok == 1 && i < n; i++) {
         PyObject *v = PyTuple_GET_ITEM(seq, i), *k = NULL, *part = NULL;
         PyTypeObject *t = Py_TYPE(v);
         if ((PyObject *)t == GlobalTensorType) {
-            if (grad) {
-                PyObject *rg = PyObject_GetAttr(v, s_requires_grad);
-                if (rg == NULL) { ok = -1; break; }
-                int requires = rg == Py_True;
-                Py_DECREF(rg);
-                if (requires) { ok = 0; break; }
-            }
+            int recorded = grad ? requires_grad(v) : 0; /* autograd records the call: not a local call */
+            if (recorded) { ok = recorded < 0 ? -1 : 0; break; }
             k = PyObject_GetAttr(v, s_meta);
             part = k ? PyObject_GetAttr(v, s_local) : NULL;
         } else if (t == &PyFloat_Type) {
@@ -521,13 +534,8 @@ static int walk(PyObject *values, int by_type, int grad, PyObject *key, PyObject
                 int has_dims = PyObject_IsTrue(dim);
                 Py_DECREF(dim);
                 if (has_dims) { ok = has_dims < 0 ? -1 : 0; break; }
-                if (grad) {
-                    PyObject *rg = PyObject_GetAttr(v, s_requires_grad);
-                    if (rg == NULL) { ok = -1; break; }
-                    int requires = rg == Py_True;
-                    Py_DECREF(rg);
-                    if (requires) { ok = 0; break; }
-                }
+                int recorded = grad ? requires_grad(v) : 0;
+                if (recorded) { ok = recorded < 0 ? -1 : 0; break; }
                 PyObject *dtype = PyObject_GetAttr(v, s_dtype);
                 PyObject *device = dtype ? PyObject_GetAttr(v, s_device) : NULL;
                 k = device ? PyTuple_Pack(3, s_tensor, dtype, device) : NULL;
@@ -542,8 +550,7 @@ static int walk(PyObject *values, int by_type, int grad, PyObject *key, PyObject
         Py_XDECREF(k);
         Py_XDECREF(part);
     }
-    Py_LeaveRecursiveCall();
-    Py_DECREF(seq);
+    leave_walk(seq);
     return ok;
 }
 
@@ -638,20 +645,27 @@ static int flag(PyObject *fn) {
     return on;
 }
 
+/* What both entries of the local calls check first: (func, types, args, kwargs), and the objects configured. 1 where
+   ``args`` is a tuple and ``kwargs`` None or a dict, 0 where not (Python answers), -1 with an error set. */
+static int local_entry(const char *name, PyObject *const *argv, Py_ssize_t argc) {
+    if (argc != 4) {
+        PyErr_Format(PyExc_TypeError, "%s(func, types, args, kwargs)", name);
+        return -1;
+    }
+    if (!local_configured) {
+        PyErr_SetString(PyExc_RuntimeError, "sbp_torch._dispatch._hit's local calls are not configured");
+        return -1;
+    }
+    return PyTuple_Check(argv[2]) && (argv[3] == Py_None || PyDict_Check(argv[3]));
+}
+
 /* _local_or_below_autograd(func, types, args, kwargs): a learnt local call where the key has one that returns a
    tensor, an argument or None; any first sight, learning or other kind of return goes to the Python function. */
 static PyObject *local_or_below_autograd(PyObject *module, PyObject *const *argv, Py_ssize_t argc) {
-    if (argc != 4) {
-        PyErr_SetString(PyExc_TypeError, "_local_or_below_autograd(func, types, args, kwargs)");
-        return NULL;
-    }
+    int usual = local_entry("_local_or_below_autograd", argv, argc);
+    if (usual < 0) return NULL;
+    if (!usual) return PyObject_Vectorcall(PythonLocalOrBelow, argv, 4, NULL);
     PyObject *func = argv[0], *args = argv[2], *kwargs = argv[3];
-    if (!local_configured) {
-        PyErr_SetString(PyExc_RuntimeError, "sbp_torch._dispatch._hit's local calls are not configured");
-        return NULL;
-    }
-    if (!PyTuple_Check(args) || (kwargs != Py_None && !PyDict_Check(kwargs)))
-        return PyObject_Vectorcall(PythonLocalOrBelow, argv, 4, NULL);
     int modes = flag(DispatchModes);
     int autocast = modes == 0 ? flag(Autocast) : 0;
     int grad = modes == 0 && autocast == 0 ? flag(GradEnabled) : 0;
@@ -792,12 +806,8 @@ done:
 
 /* Whether ``values`` hold a plain tensor with dims (``_plain_inputs._plain_tensors``): 1, 0, or -1 on error. */
 static int holds_plain_tensor(PyObject *values) {
-    PyObject *seq = PySequence_Tuple(values); /* (a snapshot, as in walk) */
+    PyObject *seq = enter_walk(values);
     if (seq == NULL) return -1;
-    if (Py_EnterRecursiveCall(" while walking an sbp_torch call's arguments")) {
-        Py_DECREF(seq);
-        return -1;
-    }
     Py_ssize_t n = PyTuple_GET_SIZE(seq);
     int found = 0;
     for (Py_ssize_t i = 0; !found && i < n; i++) {
@@ -818,8 +828,7 @@ static int holds_plain_tensor(PyObject *values) {
             Py_XDECREF(dim);
         }
     }
-    Py_LeaveRecursiveCall();
-    Py_DECREF(seq);
+    leave_walk(seq);
     return found;
 }
 
@@ -845,19 +854,13 @@ static int compile_context_set(void) {
    off: ``NOT_HANDLED`` (nothing done) where Python must see the call (a plain tensor with dims among the arguments, a
    batched matmul or attention, a compilation under way), else ``_local_or_below_autograd``. */
 static PyObject *eager_torch_function(PyObject *module, PyObject *const *argv, Py_ssize_t argc) {
-    if (argc != 4) {
-        PyErr_SetString(PyExc_TypeError, "eager_torch_function(func, types, args, kwargs)");
-        return NULL;
-    }
-    PyObject *func = argv[0], *args = argv[2], *kwargs = argv[3];
-    if (!local_configured) {
-        PyErr_SetString(PyExc_RuntimeError, "sbp_torch._dispatch._hit's local calls are not configured");
-        return NULL;
-    }
-    if (!PyTuple_Check(args) || (kwargs != Py_None && !PyDict_Check(kwargs))) {
+    int usual = local_entry("eager_torch_function", argv, argc);
+    if (usual < 0) return NULL;
+    if (!usual) {
         Py_INCREF(NotHandled);
         return NotHandled;
     }
+    PyObject *func = argv[0], *args = argv[2], *kwargs = argv[3];
     int special = PySet_Contains(SpecialFuncs, func);
     int compiling = special == 0 ? compile_context_set() : 0;
     int plain = special == 0 && compiling == 0 ? holds_plain_tensor(args) : 0;
