@@ -2,8 +2,9 @@
    local calls of the frontend (after the dispatcher's part below).
 
    It does what sbp_torch/_dispatch/_dispatcher.py's ``dispatch`` does on a hit with a simple plan (``call_key``,
-   one lookup in the call cache, ``_run_simple``, ``checked_global``, ``wrap_fresh``) or with a view's plan that
-   reshapes the part (``CallPlan.reshapes_part``), with no Python frame. Any other
+   one lookup in the call cache, ``_run_simple``, ``checked_global``, ``wrap_fresh``), with a plan that runs the op
+   on the parts as they are (``CallPlan.runs_as_is``: ``_run`` with nothing to box or write) or with a view's plan
+   that reshapes the part (``CallPlan.reshapes_part``), with no Python frame. Any other
    call (keyword arguments, a plain tensor argument, the recorder on, a miss, any other plan) goes to the
    Python ``dispatch``, which keys and looks the call up again: this file only ever answers what the Python hit path
    would answer, and the cache it reads is the Python one. Built by setup.py as sbp_torch._dispatch._hit, against
@@ -30,7 +31,7 @@ static PyObject *Facts;             /* id(func) -> (func, scalar positions, func
 
 static PyObject *s_local, *s_meta, *s_func, *s_simple, *s_op, *s_decision, *s_outputs, *s_local_shapes,
     *s_returns_written, *s_shape, *s_strides, *s_dtype, *s_device, *s_is_conj, *s_is_neg, *s_placement,
-    *s_local_inputs, *s_detach, *s_reshapes_part, *s_reshape;
+    *s_local_inputs, *s_detach, *s_reshapes_part, *s_reshape, *s_runs_as_is;
 
 static int configured = 0;
 
@@ -153,20 +154,20 @@ static PyObject *detached(PyObject *x) {
     return result;
 }
 
-/* The op's local result wrapped as the plan's first output (``checked_global``); steals ``local``. */
-static PyObject *wrap(PyObject *func, PyObject *plan, PyObject *local) {
+/* The op's local result wrapped as the plan's output ``k`` (``checked_global``); steals ``local``. */
+static PyObject *wrap_at(PyObject *func, PyObject *plan, PyObject *local, Py_ssize_t k) {
     PyObject *decision = NULL, *outputs = NULL, *shapes = NULL, *shape = NULL, *result = NULL;
     decision = PyObject_GetAttr(plan, s_decision);
     outputs = decision ? PyObject_GetAttr(decision, s_outputs) : NULL;
     shapes = outputs ? PyObject_GetAttr(plan, s_local_shapes) : NULL;
     shape = shapes ? PyObject_GetAttr(local, s_shape) : NULL;
     if (shape == NULL) goto done;
-    if (!PyTuple_Check(outputs) || PyTuple_GET_SIZE(outputs) < 1 || !PyTuple_Check(shapes) ||
-        PyTuple_GET_SIZE(shapes) < 1) {
-        PyErr_SetString(PyExc_RuntimeError, "sbp_torch internal error: a simple call plan without an output");
+    if (!PyTuple_Check(outputs) || PyTuple_GET_SIZE(outputs) <= k || !PyTuple_Check(shapes) ||
+        PyTuple_GET_SIZE(shapes) <= k) {
+        PyErr_SetString(PyExc_RuntimeError, "sbp_torch internal error: a call plan with fewer outputs than the op");
         goto done;
     }
-    PyObject *meta = PyTuple_GET_ITEM(outputs, 0), *want = PyTuple_GET_ITEM(shapes, 0);
+    PyObject *meta = PyTuple_GET_ITEM(outputs, k), *want = PyTuple_GET_ITEM(shapes, k);
     int same = PyObject_RichCompareBool(shape, want, Py_EQ);
     if (same < 0) goto done;
     int plain = same;
@@ -189,6 +190,8 @@ done:
     Py_DECREF(local);
     return result;
 }
+
+static PyObject *wrap(PyObject *func, PyObject *plan, PyObject *local) { return wrap_at(func, plan, local, 0); }
 
 /* With the raised error (an ``Exception``) taken as the one being handled, as inside Python's ``except``:
    ``callable(func, err, *more)`` (``more``: up to two more arguments, NULL-terminated), then the error raised again;
@@ -270,6 +273,75 @@ static PyObject *run_reshape(PyObject *func, PyObject *plan, PyObject *args) {
     Py_XDECREF(local);
     Py_XDECREF(shapes);
     return out == NULL ? NULL : wrap(func, plan, out);
+}
+
+/* ``value`` with each global tensor, itself or in a list, replaced by its part (``substitute``: a list or tuple
+   becomes a new list). */
+static PyObject *as_part(PyObject *value) {
+    int global = PyObject_IsInstance(value, GlobalTensorType);
+    if (global < 0) return NULL;
+    if (global) return PyObject_GetAttr(value, s_local);
+    if (!PyList_Check(value) && !PyTuple_Check(value)) return (Py_INCREF(value), value);
+    PyObject *items = PySequence_Tuple(value); /* (a snapshot, as the walks take) */
+    if (items == NULL) return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(items);
+    PyObject *parts = PyList_New(n);
+    for (Py_ssize_t i = 0; parts != NULL && i < n; i++) {
+        PyObject *item = PyTuple_GET_ITEM(items, i);
+        int element_global = PyObject_IsInstance(item, GlobalTensorType);
+        PyObject *part = element_global < 0 ? NULL : element_global ? PyObject_GetAttr(item, s_local) : (Py_INCREF(item), item);
+        if (part == NULL) Py_CLEAR(parts);
+        else PyList_SET_ITEM(parts, i, part);
+    }
+    Py_DECREF(items);
+    return parts;
+}
+
+/* A plan that runs the op on the parts as they are (``runs_as_is``: ``_run`` with nothing boxed, no local function,
+   nothing written), whatever the op returns: None, a tensor, or a tuple or list of tensors and other values. */
+static PyObject *run_as_is(PyObject *func, PyObject *op, PyObject *plan, PyObject *args) {
+    Py_ssize_t n = PyTuple_GET_SIZE(args);
+    PyObject *locals = PyTuple_New(n);
+    for (Py_ssize_t i = 0; locals != NULL && i < n; i++) {
+        PyObject *part = as_part(PyTuple_GET_ITEM(args, i));
+        if (part == NULL) Py_CLEAR(locals);
+        else PyTuple_SET_ITEM(locals, i, part);
+    }
+    if (locals == NULL) return NULL;
+    PyObject *out = PyObject_Call(op, locals, NULL);
+    Py_DECREF(locals);
+    if (out == NULL) return failed(func, plan, 1); /* the others went on: closes this rank's world, then raises */
+    if (out == Py_None) return out;
+    int tensor = PyObject_IsInstance(out, TensorType);
+    if (tensor < 0) {
+        Py_DECREF(out);
+        return NULL;
+    }
+    if (tensor) return wrap_at(func, plan, out, 0);
+    PyObject *items = PySequence_Tuple(out);
+    if (items == NULL) {
+        Py_DECREF(out);
+        return NULL;
+    }
+    Py_ssize_t m = PyTuple_GET_SIZE(items), k = 0;
+    PyObject *results = PyList_New(m);
+    for (Py_ssize_t i = 0; results != NULL && i < m; i++) {
+        PyObject *o = PyTuple_GET_ITEM(items, i);
+        int is_tensor = PyObject_IsInstance(o, TensorType);
+        PyObject *r = is_tensor < 0 ? NULL : is_tensor ? (Py_INCREF(o), wrap_at(func, plan, o, k++)) : (Py_INCREF(o), o);
+        if (r == NULL) Py_CLEAR(results);
+        else PyList_SET_ITEM(results, i, r);
+    }
+    Py_DECREF(items);
+    PyObject *result = NULL;
+    if (results != NULL) { /* ``type(out)(results)`` for a tuple, the list itself otherwise, as ``_run`` returns */
+        if (PyTuple_CheckExact(out)) result = PyList_AsTuple(results);
+        else if (PyTuple_Check(out)) result = PyObject_CallOneArg((PyObject *)Py_TYPE(out), results);
+        else result = (Py_INCREF(results), results);
+        Py_DECREF(results);
+    }
+    Py_DECREF(out);
+    return result;
 }
 
 /* The simple plan run on the local parts (``_run_simple``), the op called as ``op``. */
@@ -389,17 +461,20 @@ static PyObject *torch_dispatch(PyObject *module, PyObject *const *argv, Py_ssiz
     }
     PyObject *plan = PyList_GET_ITEM(slot, 0);
     Py_INCREF(plan);
-    int fits = (PyObject *)Py_TYPE(plan) == CallPlanType, simple_plan = 0;
+    int fits = (PyObject *)Py_TYPE(plan) == CallPlanType, simple_plan = 0, reshaping = 0;
     if (fits) {
         PyObject *planned = PyObject_GetAttr(plan, s_func);
         PyObject *simple = planned ? PyObject_GetAttr(plan, s_simple) : NULL;
         PyObject *reshapes = simple ? PyObject_GetAttr(plan, s_reshapes_part) : NULL;
+        PyObject *as_is = reshapes ? PyObject_GetAttr(plan, s_runs_as_is) : NULL;
         simple_plan = simple == Py_True;
-        fits = reshapes != NULL && planned == func && (simple_plan || reshapes == Py_True);
+        reshaping = reshapes == Py_True;
+        fits = as_is != NULL && planned == func && (simple_plan || reshaping || as_is == Py_True);
         Py_XDECREF(planned);
         Py_XDECREF(simple);
         Py_XDECREF(reshapes);
-        if (reshapes == NULL) {
+        Py_XDECREF(as_is);
+        if (as_is == NULL) {
             Py_DECREF(slot);
             Py_DECREF(plan);
             Py_DECREF(op);
@@ -411,7 +486,9 @@ static PyObject *torch_dispatch(PyObject *module, PyObject *const *argv, Py_ssiz
     } else {
         PyObject *stamp = PyIter_Next(Clock); /* a hit, as LruCache.get counts it */
         if (stamp != NULL && PyList_SetItem(slot, 1, stamp) == 0) {
-            result = simple_plan ? run_simple(func, op, plan, args) : run_reshape(func, plan, args);
+            result = simple_plan ? run_simple(func, op, plan, args)
+                     : reshaping ? run_reshape(func, plan, args)
+                                 : run_as_is(func, op, plan, args);
         }
     }
     Py_DECREF(slot);
@@ -928,12 +1005,12 @@ PyMODINIT_FUNC PyInit__hit(void) {
                            "returns_written", "shape", "strides", "dtype", "device", "is_conj", "is_neg",
                            "placement", "local_inputs", "detach", "requires_grad", "dim", "returns", "argument",
                            "bumped", "tensor", "none", "data is not allocated", "compile_context", "compile_id",
-                           "reshapes_part", "reshape"};
+                           "reshapes_part", "reshape", "runs_as_is"};
     PyObject **strings[] = {&s_local, &s_meta, &s_func, &s_simple, &s_op, &s_decision, &s_outputs,
                             &s_local_shapes, &s_returns_written, &s_shape, &s_strides, &s_dtype, &s_device,
                             &s_is_conj, &s_is_neg, &s_placement, &s_local_inputs, &s_detach, &s_requires_grad,
                             &s_dim, &s_returns, &s_argument, &s_bumped, &s_tensor, &s_none, &s_not_allocated, &s_compile_context,
-                            &s_compile_id, &s_reshapes_part, &s_reshape};
+                            &s_compile_id, &s_reshapes_part, &s_reshape, &s_runs_as_is};
     for (size_t i = 0; i < sizeof(texts) / sizeof(texts[0]); i++) {
         *strings[i] = PyUnicode_InternFromString(texts[i]);
         if (*strings[i] == NULL) return NULL;

@@ -14,6 +14,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st_
 
@@ -517,6 +518,8 @@ def native_hit_body():
         lambda: x.add_(1).mul_(0.5),  # in place: returns its self
         lambda: x.view(5, 2, 2),  # a view keeping the split: its plan reshapes the part, which C does itself
         lambda: x.transpose(0, 1),  # a view with another local function: C hands it to Python
+        lambda: torch.cat([x, x * w], dim=1),  # a list argument: the op runs on the parts as they are
+        lambda: F.layer_norm(x, (4,), w, w),  # three outputs (native_layer_norm)
     ]
     handlers = {"python": _dispatcher.torch_dispatch, "c": _native.torch_dispatch}
     results, counts, entered = {}, {}, {}
@@ -531,11 +534,12 @@ def native_hit_body():
         try:
             st.cache_clear()  # (the learnt local calls too: a call learnt by one handler would skip the other)
             x.copy_(torch.randn(5, 4, generator=torch.Generator().manual_seed(6)).to_global(p, broadcast))
-            results[name] = [[fn().full_tensor() for _ in range(3)] for fn in cases]  # a miss, then hits
+            results[name] = [[fn().full_tensor().detach() for _ in range(3)] for fn in cases]  # a miss, then hits
             counts[name] = CALLS.info()[:2]  # (hits, misses) of the call cache
             sys.setprofile(profiler)
             x * w  # a hit of a simple plan (w requires grad: not a local call)
             x.view(5, 2, 2)  # a hit of a plan that reshapes the part (views are never local calls)
+            F.layer_norm(x, (4,), w, w)  # a hit of a plan that runs as it is, with three outputs
             sys.setprofile(None)
             entered[name] = len(calls)
         finally:
@@ -545,13 +549,13 @@ def native_hit_body():
 
 
 def test_the_c_hit_path_answers_as_the_python_one():
-    """The dispatcher's hit path in C (``csrc/hit_paths.c``) is built, runs a cached simple plan and a view's plan
-    without entering Python's ``dispatch``, and gives the values and cache counts the Python handler gives, call for
-    call."""
+    """The dispatcher's hit path in C (``csrc/hit_paths.c``) is built, runs a cached simple plan, a view's plan and a
+    plan with several outputs without entering Python's ``dispatch``, and gives the values and cache counts the
+    Python handler gives, call for call."""
     for native, results, counts, entered in run_on_world(2, native_hit_body):
         assert native, "the C hit path is not built (setup.py builds it wherever a C compiler is)"
         for want, got in zip(results["python"], results["c"]):
             for a, b in zip(want, got):
                 torch.testing.assert_close(b, a, rtol=0, atol=0)
         assert counts["c"] == counts["python"]
-        assert entered == {"python": 2, "c": 0}
+        assert entered == {"python": 3, "c": 0}

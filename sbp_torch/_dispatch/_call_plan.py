@@ -33,6 +33,9 @@ class CallPlan:
     # The local function reshapes the one global input's part, the first argument, unboxed, to the output's local
     # shape (views): ``_run`` calls it; the C hit path runs ``part.reshape(local shape)`` itself.
     reshapes_part: bool
+    # The op runs on the parts as they are (``as_is``), its global arguments all positional (lists included) and
+    # none written: ``_run`` runs it; the C hit path runs it itself, whatever it returns.
+    runs_as_is: bool
     # The common case, run by ``_run_simple``: globals only as positional arguments, none boxed, no local
     # function, a member rank, and one new output or the written self returned.
     simple: bool
@@ -87,6 +90,14 @@ def compile_plan(bound: BoundCall, decision: Decision) -> CallPlan:
         and not written
         and len(decision.outputs) == 1
     )
+    runs_as_is = (
+        coord is not None
+        and decision.local_fn is None
+        and decision.rule.outside is None
+        and all(p is None for p in plans)
+        and not written
+        and not any(isinstance(where, str) for where, _ in slots)
+    )
     return CallPlan(
         func,
         decision,
@@ -100,6 +111,7 @@ def compile_plan(bound: BoundCall, decision: Decision) -> CallPlan:
         tuple(local_inputs),
         lambda x, op, axis: comm.all_reduce(x, op, comm.axis_group(placement, axis)),
         reshapes_part,
+        runs_as_is,
         simple,
     )
 
