@@ -27,7 +27,7 @@ static PyObject *LocalFailure;      /* _comm.local_failure(func, err, placement,
 static PyObject *MakeWrapper;       /* torch.Tensor._make_wrapper_subclass */
 static PyObject *Strided;           /* torch.strided */
 static PyObject *OpOverloadType;    /* torch._ops.OpOverload: its __call__ is ``self._op(*args)`` */
-static PyObject *Facts;             /* id(func) -> (func, scalar positions, func._op) */
+static PyObject *Facts;             /* id(func) -> (func, scalar positions, func._op), kept for good */
 
 static PyObject *s_local, *s_meta, *s_func, *s_simple, *s_op, *s_decision, *s_outputs, *s_local_shapes,
     *s_returns_written, *s_shape, *s_strides, *s_dtype, *s_device, *s_is_conj, *s_is_neg, *s_placement,
@@ -90,7 +90,7 @@ static PyObject *facts_of(PyObject *func) {
         Py_DECREF(id);
         return NULL;
     }
-    if (entry == NULL || PyTuple_GET_ITEM(entry, 0) != func) { /* new, or a freed op's id reused */
+    if (entry == NULL) { /* (an entry holds its op, so no other op takes that id while it is kept) */
         PyObject *positions = PyObject_CallOneArg(ScalarPositions, func);
         PyObject *op = NULL;
         if (positions != NULL) { /* (a subclass's __call__ may do more: it is called as it is) */
@@ -275,21 +275,19 @@ static PyObject *run_reshape(PyObject *func, PyObject *plan, PyObject *args) {
     return out == NULL ? NULL : wrap(func, plan, out);
 }
 
-/* ``value`` with each global tensor, itself or in a list, replaced by its part (``substitute``: a list or tuple
-   becomes a new list). */
-static PyObject *as_part(PyObject *value) {
+/* ``value`` with a global tensor replaced by its part, and with ``lists``, each global tensor in a list too
+   (``substitute``: a list or tuple becomes a new list). */
+static PyObject *as_part(PyObject *value, int lists) {
     int global = PyObject_IsInstance(value, GlobalTensorType);
     if (global < 0) return NULL;
     if (global) return PyObject_GetAttr(value, s_local);
-    if (!PyList_Check(value) && !PyTuple_Check(value)) return (Py_INCREF(value), value);
+    if (!lists || (!PyList_Check(value) && !PyTuple_Check(value))) return (Py_INCREF(value), value);
     PyObject *items = PySequence_Tuple(value); /* (a snapshot, as the walks take) */
     if (items == NULL) return NULL;
     Py_ssize_t n = PyTuple_GET_SIZE(items);
     PyObject *parts = PyList_New(n);
     for (Py_ssize_t i = 0; parts != NULL && i < n; i++) {
-        PyObject *item = PyTuple_GET_ITEM(items, i);
-        int element_global = PyObject_IsInstance(item, GlobalTensorType);
-        PyObject *part = element_global < 0 ? NULL : element_global ? PyObject_GetAttr(item, s_local) : (Py_INCREF(item), item);
+        PyObject *part = as_part(PyTuple_GET_ITEM(items, i), 0);
         if (part == NULL) Py_CLEAR(parts);
         else PyList_SET_ITEM(parts, i, part);
     }
@@ -297,16 +295,22 @@ static PyObject *as_part(PyObject *value) {
     return parts;
 }
 
-/* A plan that runs the op on the parts as they are (``runs_as_is``: ``_run`` with nothing boxed, no local function,
-   nothing written), whatever the op returns: None, a tensor, or a tuple or list of tensors and other values. */
-static PyObject *run_as_is(PyObject *func, PyObject *op, PyObject *plan, PyObject *args) {
+/* The arguments the op runs on: each of ``args`` through ``as_part``. */
+static PyObject *parts_of(PyObject *args, int lists) {
     Py_ssize_t n = PyTuple_GET_SIZE(args);
     PyObject *locals = PyTuple_New(n);
     for (Py_ssize_t i = 0; locals != NULL && i < n; i++) {
-        PyObject *part = as_part(PyTuple_GET_ITEM(args, i));
+        PyObject *part = as_part(PyTuple_GET_ITEM(args, i), lists);
         if (part == NULL) Py_CLEAR(locals);
         else PyTuple_SET_ITEM(locals, i, part);
     }
+    return locals;
+}
+
+/* A plan that runs the op on the parts as they are (``runs_as_is``: ``_run`` with nothing boxed, no local function,
+   nothing written), whatever the op returns: None, a tensor, or a tuple or list of tensors and other values. */
+static PyObject *run_as_is(PyObject *func, PyObject *op, PyObject *plan, PyObject *args) {
+    PyObject *locals = parts_of(args, 1);
     if (locals == NULL) return NULL;
     PyObject *out = PyObject_Call(op, locals, NULL);
     Py_DECREF(locals);
@@ -346,23 +350,8 @@ static PyObject *run_as_is(PyObject *func, PyObject *op, PyObject *plan, PyObjec
 
 /* The simple plan run on the local parts (``_run_simple``), the op called as ``op``. */
 static PyObject *run_simple(PyObject *func, PyObject *op, PyObject *plan, PyObject *args) {
-    Py_ssize_t n = PyTuple_GET_SIZE(args);
-    PyObject *locals = PyTuple_New(n);
+    PyObject *locals = parts_of(args, 0);
     if (locals == NULL) return NULL;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *a = PyTuple_GET_ITEM(args, i);
-        int global = PyObject_IsInstance(a, GlobalTensorType);
-        if (global < 0) {
-            Py_DECREF(locals);
-            return NULL;
-        }
-        PyObject *v = global ? PyObject_GetAttr(a, s_local) : (Py_INCREF(a), a);
-        if (v == NULL) {
-            Py_DECREF(locals);
-            return NULL;
-        }
-        PyTuple_SET_ITEM(locals, i, v);
-    }
     PyObject *out = PyObject_Call(op, locals, NULL);
     Py_DECREF(locals);
     if (out == NULL) return failed(func, plan, 1); /* the others went on: closes this rank's world, then raises */

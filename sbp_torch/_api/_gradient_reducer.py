@@ -2,6 +2,7 @@
 ``.grad`` is boxed to ``gradient_sbp(param.sbp)`` (the parameter's own layout for split and broadcast
 parameters), so optimizers see gradients laid out like their parameters."""
 
+import dataclasses
 import weakref
 
 import torch
@@ -10,6 +11,15 @@ from torch import nn
 from .. import _comm as comm
 from .._boxing import axis_view, box_local, plan_boxing
 from .._tensor import GlobalTensor, gradient_sbp, mark_reduced_at_use
+
+
+@dataclasses.dataclass
+class _Bucket:
+    """The parameters whose gradients wait in one bucket, and those gradients' bytes (kept as they come, not summed
+    again for every gradient)."""
+
+    params: list = dataclasses.field(default_factory=list)
+    nbytes: int = 0
 
 
 class GradientReducer:
@@ -27,8 +37,7 @@ class GradientReducer:
 
     def __init__(self, params: list[nn.Parameter], bucket_mb: float, module: nn.Module):
         self.bucket_bytes = int(bucket_mb * 2**20)
-        self.buckets: dict = {}  # key -> the parameters whose gradients it holds
-        self.bucket_bytes_held: dict = {}  # key -> their gradients' bytes (kept, not summed again per gradient)
+        self.buckets: dict = {}  # key -> _Bucket
         self.in_flight: list = []
         self.flush_queued = False
         _REDUCERS.add(self)
@@ -52,10 +61,12 @@ class GradientReducer:
         # all-reduce buckets share a target layout; reduce-scatter buckets mix them (each part is cut alone)
         meta = grad._meta  # (its fields, not the tensor's getters: no torch function per gradient)
         key = (meta.placement, meta.dtype, route, "reduce-scatter" if scatter else target)
-        self.buckets.setdefault(key, []).append(param)
-        held = self.bucket_bytes_held.get(key, 0) + grad._local.numel() * meta.dtype.itemsize
-        self.bucket_bytes_held[key] = held
-        if held >= self.bucket_bytes:
+        bucket = self.buckets.get(key)
+        if bucket is None:
+            bucket = self.buckets[key] = _Bucket()
+        bucket.params.append(param)
+        bucket.nbytes += grad._local.numel() * meta.dtype.itemsize
+        if bucket.nbytes >= self.bucket_bytes:
             self._start(key)
         if not self.flush_queued:
             self.flush_queued = True
@@ -71,16 +82,15 @@ class GradientReducer:
         """Forget the buckets of a backward that raised before it ended (its end-of-backward callback never ran).
         Its all-reduces already started finish on their own; their results are not used."""
         self.buckets.clear()
-        self.bucket_bytes_held.clear()
         self.in_flight.clear()
         self.flush_queued = False
 
     def _start(self, key) -> None:
         """Start bucket ``key``: its first all-reduce (later axes run when it finishes), or its reduce-scatter."""
-        params = self.buckets.pop(key, [])
-        self.bucket_bytes_held.pop(key, None)
-        if not params:
+        bucket = self.buckets.pop(key, None)
+        if bucket is None or not bucket.params:
             return
+        params = bucket.params
         placement, _, steps, target = key
         if target == "reduce-scatter":
             _reduce_scatter_bucket(params, placement, *steps[0])

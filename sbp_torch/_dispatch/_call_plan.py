@@ -30,6 +30,8 @@ class CallPlan:
     local_shapes: tuple  # this rank's part shape of each output
     local_inputs: tuple  # GlobalMeta of each input in its decided layout (what a local function is told)
     reduce_along: Callable  # (tensor, op, axis) -> tensor all-reduced along that placement axis, for local functions
+    # Whether the op runs on the local parts unchanged: no boxing, no local function, a member rank.
+    as_is: bool
     # The local function reshapes the one global input's part, the first argument, unboxed, to the output's local
     # shape (views): ``_run`` calls it; the C hit path runs ``part.reshape(local shape)`` itself.
     reshapes_part: bool
@@ -39,16 +41,6 @@ class CallPlan:
     # The common case, run by ``_run_simple``: globals only as positional arguments, none boxed, no local
     # function, a member rank, and one new output or the written self returned.
     simple: bool
-
-    @property
-    def as_is(self) -> bool:
-        """Whether the op runs on the local parts unchanged: no boxing, no local function, a member rank."""
-        return (
-            self.coord is not None
-            and self.decision.local_fn is None
-            and self.decision.rule.outside is None
-            and all(boxing is None for boxing in self.plans)
-        )
 
     def run(self, func, args, kwargs):
         return _run_simple(self, func, args, kwargs) if self.simple else _run(self, func, args, kwargs)
@@ -90,14 +82,13 @@ def compile_plan(bound: BoundCall, decision: Decision) -> CallPlan:
         and not written
         and len(decision.outputs) == 1
     )
-    runs_as_is = (
+    as_is = (
         coord is not None
         and decision.local_fn is None
         and decision.rule.outside is None
         and all(p is None for p in plans)
-        and not written
-        and not any(isinstance(where, str) for where, _ in slots)
     )
+    runs_as_is = as_is and not written and not any(isinstance(where, str) for where, _ in slots)
     return CallPlan(
         func,
         decision,
@@ -110,6 +101,7 @@ def compile_plan(bound: BoundCall, decision: Decision) -> CallPlan:
         tuple(m.local_shape(coord) for m in decision.outputs),
         tuple(local_inputs),
         lambda x, op, axis: comm.all_reduce(x, op, comm.axis_group(placement, axis)),
+        as_is,
         reshapes_part,
         runs_as_is,
         simple,

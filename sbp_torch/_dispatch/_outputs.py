@@ -40,26 +40,6 @@ def _tiny(value):
     return value
 
 
-def _simple_pointwise(func) -> bool:
-    """Whether ``func`` is a pointwise op with one tensor result and no ``out=``, which running advances no
-    generator (read from its schema once per op)."""
-    entry = _SIMPLE_POINTWISE.get(id(func))
-    if entry is None or entry[0] is not func:
-        tags, returns = func.tags, func._schema.returns
-        simple = (
-            torch.Tag.pointwise in tags
-            and torch.Tag.nondeterministic_seeded not in tags  # running it would advance the generator
-            and len(returns) == 1
-            and str(returns[0].type) == "Tensor"
-            and not op_schema(func).outs
-        )
-        entry = _SIMPLE_POINTWISE[id(func)] = (func, simple)
-    return entry[1]
-
-
-_SIMPLE_POINTWISE: dict = {}  # id(op) -> (op, whether it is a simple pointwise op); the op checks a reused id
-
-
 def _broadcast_shape(shapes: list[tuple]) -> tuple | None:
     """The shape the tensors of ``shapes`` broadcast to, or None where they do not broadcast. Sizes that are not
     plain ints (symbolic, under tracing) go to torch, which knows how to compare them."""
@@ -81,7 +61,7 @@ def _broadcast_shape(shapes: list[tuple]) -> tuple | None:
 
 def pointwise_outputs(func, args, kwargs) -> list[TensorInfo] | None:
     """``[TensorInfo(shape, dtype)]`` of a pointwise op's output, or None where tracing must decide."""
-    if not _simple_pointwise(func):
+    if not op_schema(func).simple_pointwise:
         return None
     values = list(args) + list(kwargs.values())
     if any(isinstance(v, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in v) for v in values):

@@ -35,6 +35,9 @@ class OpSchema:
     returns_tensors: bool  # returns new tensors (not nothing, not the written arguments)
     returns: int  # how many values the schema returns
     returns_one_tensor: bool  # returns exactly one Tensor (not a list of them)
+    # a pointwise op with one tensor result and no out=, which running does not advance the generator: its output's
+    # shape and dtype come from ``_outputs.pointwise_outputs``
+    simple_pointwise: bool
     inplace_view: bool  # squeeze_, transpose_, ...: changes self's own shape
     foreach: bool  # _foreach_*: runs index by index
     unmarked: tuple | None  # UNMARKED_WRITES entry
@@ -51,6 +54,8 @@ class OpSchema:
             for i, a in enumerate(arguments)
             if str(a.type) in ("number", "List[number]") and a.name not in read
         ]
+        one_tensor = len(returns) == 1 and str(returns[0].type) == "Tensor"
+        outs = frozenset(a.name for a in written if a.is_out)
         written_by_alias = {frozenset(a.alias_info.before_set): a.name for a in written}
         written_returns = tuple(
             (j, written_by_alias[frozenset(r.alias_info.before_set)])
@@ -67,12 +72,18 @@ class OpSchema:
             scalar_names=frozenset(n for _, n in scalar),
             list_positions=tuple(i for i, a in enumerate(arguments) if str(a.type).startswith("List[")),
             written=frozenset(a.name for a in written),
-            outs=frozenset(a.name for a in written if a.is_out),
+            outs=outs,
             returns_written=bool(returns) and all(r.alias_info is not None and r.alias_info.is_write for r in returns),
             written_returns=written_returns,
             returns_tensors=bool(returns) and not any(r.alias_info is not None for r in returns),
             returns=len(returns),
-            returns_one_tensor=len(returns) == 1 and str(returns[0].type) == "Tensor",
+            returns_one_tensor=one_tensor,
+            simple_pointwise=(
+                torch.Tag.pointwise in func.tags
+                and torch.Tag.nondeterministic_seeded not in func.tags  # running it would advance the generator
+                and one_tensor
+                and not outs
+            ),
             inplace_view=torch.Tag.inplace_view in func.tags,
             foreach=func._schema.name.startswith("aten::_foreach_"),
             unmarked=UNMARKED_WRITES.get(func),
