@@ -307,14 +307,21 @@ static PyObject *parts_of(PyObject *args, int lists) {
     return locals;
 }
 
-/* A plan that runs the op on the parts as they are (``runs_as_is``: ``_run`` with nothing boxed, no local function,
-   nothing written), whatever the op returns: None, a tensor, or a tuple or list of tensors and other values. */
-static PyObject *run_as_is(PyObject *func, PyObject *op, PyObject *plan, PyObject *args) {
-    PyObject *locals = parts_of(args, 1);
+/* The op (called as ``op``) on the parts of ``args`` (``parts_of``); where it raises, ``failed``: the others went
+   on, so this closes the rank's world (docs/faults.md), then raises. */
+static PyObject *on_parts(PyObject *func, PyObject *op, PyObject *plan, PyObject *args, int lists) {
+    PyObject *locals = parts_of(args, lists);
     if (locals == NULL) return NULL;
     PyObject *out = PyObject_Call(op, locals, NULL);
     Py_DECREF(locals);
-    if (out == NULL) return failed(func, plan, 1); /* the others went on: closes this rank's world, then raises */
+    return out == NULL ? failed(func, plan, 1) : out;
+}
+
+/* A plan that runs the op on the parts as they are (``runs_as_is``: ``_run`` with nothing boxed, no local function,
+   nothing written), whatever the op returns: None, a tensor, or a tuple or list of tensors and other values. */
+static PyObject *run_as_is(PyObject *func, PyObject *op, PyObject *plan, PyObject *args) {
+    PyObject *out = on_parts(func, op, plan, args, 1);
+    if (out == NULL) return NULL;
     if (out == Py_None) return out;
     int tensor = PyObject_IsInstance(out, TensorType);
     if (tensor < 0) {
@@ -350,11 +357,8 @@ static PyObject *run_as_is(PyObject *func, PyObject *op, PyObject *plan, PyObjec
 
 /* The simple plan run on the local parts (``_run_simple``), the op called as ``op``. */
 static PyObject *run_simple(PyObject *func, PyObject *op, PyObject *plan, PyObject *args) {
-    PyObject *locals = parts_of(args, 0);
-    if (locals == NULL) return NULL;
-    PyObject *out = PyObject_Call(op, locals, NULL);
-    Py_DECREF(locals);
-    if (out == NULL) return failed(func, plan, 1); /* the others went on: closes this rank's world, then raises */
+    PyObject *out = on_parts(func, op, plan, args, 0);
+    if (out == NULL) return NULL;
     PyObject *returns_written = PyObject_GetAttr(plan, s_returns_written);
     if (returns_written == NULL) {
         Py_DECREF(out);
