@@ -15,6 +15,7 @@ import pathlib
 
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st_
 from torch import nn
@@ -238,6 +239,44 @@ def test_retraces_when_its_key_or_state_changes():
     # weight decay; a loaded optimizer state: other tensors of the same forms, run without a new trace (3); eval
     # mode (4)
     assert run_on_world(2, _retraces) == [[0, 1, 1, 2, 2, 3, 3, 3, 4]] * 2
+
+
+def _rows_changing_on_one_rank():
+    """Each rank lays out its own rows of the batch inside the step, and the rows change on one rank at a time: a
+    program laid out for one pair of row counts must not run for another (the loss is a mean over all rows)."""
+    torch.manual_seed(0)
+    reference = MLP(5, 6)
+    model = copy.deepcopy(reference)
+    placement = st.placement("cpu", [0, 1])
+    model.to_global(placement, {"up.weight": S(0)})
+    ref_opt, optimizer = _adamw(reference), _adamw(model)
+
+    @st.compile_step(model=model, optimizer=optimizer, backend=None)
+    def step(part):
+        loss = model(part.to_global(placement, (S(0),)))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    traces = []
+    for i, rows in enumerate([(3, 3), (3, 3), (5, 5), (3, 5), (5, 3), (3, 5), (3, 3)]):
+        parts = [x[:n] for x, n in zip(_batches(2, 5, 5, seed=i), rows)]
+        want = reference(torch.cat(parts))
+        ref_opt.zero_grad()
+        want.backward()
+        ref_opt.step()
+        got = step(parts[dist.get_rank()])
+        torch.testing.assert_close(got.item(), want.item(), rtol=1e-5, atol=1e-6)
+        _assert_params_match(model, reference)
+        traces.append(step.traces)
+    return traces
+
+
+def test_rows_that_change_on_one_rank_trace_on_every_rank():
+    # first call eager (0); each new pair of row counts traces on both ranks, (3, 5) and (5, 3) included, although
+    # each rank alone has seen its rows before; pairs seen before run their programs
+    assert run_on_world(2, _rows_changing_on_one_rank) == [[0, 1, 2, 3, 4, 4, 4]] * 2
 
 
 def _refusals():
@@ -480,8 +519,6 @@ def test_a_late_buffer_is_state_and_a_scheduler_inside_is_refused():
 
 
 def _refused_on_one_rank():
-    import torch.distributed as dist
-
     placement = st.placement("cpu", [0, 1])
     model = MLP(4, 4).to_global(placement, B)
     optimizer = _adamw(model)

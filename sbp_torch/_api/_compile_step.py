@@ -238,15 +238,17 @@ class CompiledStep:
         held, no_grads = self._held()
         with torch._C.DisableTorchFunctionSubclass():
             frozen = tuple(map(_requires_grad, self.params))
+        described = tuple(_describe(leaf) for leaf in leaves)
         key = (
             spec,
-            tuple(_describe(leaf) for leaf in leaves),
+            described,
             torch.is_grad_enabled(),
             _autocast(),
             tuple(map(_training, self.modules)),
             frozen,
             no_grads,
             self._hyperparameters(),
+            _peer_arguments(described),
         )
         program = self.programs.get(key)
         if program is not None and not _same_state(held, program):
@@ -323,6 +325,15 @@ class CompiledStep:
         while len(self.programs) > _KEYS_KEPT:
             self.programs.popitem(last=False)
         return compiled
+
+
+def _peer_arguments(described: tuple) -> tuple | None:
+    """Every rank's plain tensor arguments' descriptions, exchanged (a global one's layout was agreed when made): a
+    rank whose part changes alone must neither trace alone nor run a program laid out for the others' old shapes."""
+    plain = tuple(d for d in described if d[0] == "plain")
+    if not plain or dist.get_world_size() == 1:
+        return None
+    return tuple(comm.gather_call_facts("a compile_step call", plain))
 
 
 def _refuse_before_tracing(traces: int, arg_leaves: list) -> None:
@@ -547,6 +558,8 @@ def compile_step(fn=None, *, model, optimizer=None, backend="inductor"):
       hyperparameters. The learning rate of Adam, AdamW, NAdam, RAdam, Adamax, ASGD and Rprop is not in the key
       but read every call, so a scheduler does not trace again; other optimizers' (SGD's) is in it. The
       program's collectives are checked to be the same on every rank when it is traced.
+    * Every rank's plain tensor arguments' shapes are exchanged at each call and are in the key: all ranks trace
+      when one rank's change. The rest of the key must change on every rank alike.
     * Parameters, gradients, buffers and optimizer state are updated in place; gradients stay in the tensors that
       held them on entry, as with ``zero_grad(set_to_none=False)`` (entered with none, after ``zero_grad()``
       outside the step, the step gives them new tensors each call). State held by other tensors of the same

@@ -15,7 +15,7 @@ from ._collectives import (
     start_gather_rows,
     start_reduce_scatter_parts,
 )
-from ._compiled import RanksDisagree, check_program, compiling, note_placement, tracing_program
+from ._compiled import RanksDisagree, check_program, compiling, gather_call_facts, note_placement, tracing_program
 from ._faults import CollectiveError, caller_stops_one_rank_failures, close_world, collective_failed, posted_failures
 from ._groups import AxisGroup, axis_group, ensure_groups, forget_groups
 from ._primitives import local_failure, notify, observing, traced

@@ -368,6 +368,12 @@ def _on_compile_end(args) -> None:
         )
 
 
+def gather_call_facts(what: str, value) -> list:
+    """Every rank's ``value`` (in rank order) for the call ``what`` that every rank of the world makes now, through the
+    store: what a compiled program's runtime must know of the others before it picks a program."""
+    return _exchange("call", tuple(range(dist.get_world_size())), value, what)
+
+
 def _exchange(topic: str, ranks: tuple[int, ...], value, what: str) -> list:
     """Every one of ``ranks``' ``value`` (in that order), through the default store; ``what`` for messages."""
     store = dist.distributed_c10d._get_default_store()
@@ -379,20 +385,20 @@ def _exchange(topic: str, ranks: tuple[int, ...], value, what: str) -> list:
     keys = [f"{prefix}/{sequence}/{r}" for r in ranks]
     store.set(keys[ranks.index(me)], pickle.dumps(value))
     try:
-        store.wait(keys)
+        received = store.multi_get(keys)  # (it waits for the keys)
     except (RuntimeError, ValueError) as err:  # the store's timeout: some rank never came
         missing = "some"
         with contextlib.suppress(RuntimeError, ValueError):
             missing = [r for r, key in zip(ranks, keys) if not store.check([key])]
         error = RanksDisagree(
-            f"{what}: rank(s) {missing} did not take part in the exchange of ranks {list(ranks)} while compiling "
-            f"(waited {store.timeout}): every rank must compile the same programs in the same order. A rank that "
-            "compiles alone ran a program in a layout or shape the others did not, or found it in a compile "
-            f"cache the others did not have (this rank's exchange #{sequence} of {topic})"
+            f"{what}: rank(s) {missing} did not take part in the exchange of ranks {list(ranks)} (waited "
+            f"{store.timeout}): every rank must make the same calls, and compile the same programs, in the same "
+            "order. A rank that compiles alone ran a program in a layout or shape the others did not, or found it in "
+            f"a compile cache the others did not have (this rank's exchange #{sequence} of {topic})"
         )
         close_world(str(error), error)
         raise error from err
-    values = [pickle.loads(v) for v in store.multi_get(keys)]
+    values = [pickle.loads(v) for v in received]
     if sequence:  # every rank has read the previous exchange, since every rank wrote this one
         with contextlib.suppress(RuntimeError, ValueError):
             store.delete_key(f"{prefix}/{sequence - 1}/{me}")
