@@ -231,6 +231,7 @@ def _retraces():
     traces.append(step.traces)
     model.eval()  # a module's training flag is in the key (dropout, batch norm read it)
     step(x, 2.0)
+    assert not step.peers_in_key  # (laid out unchecked, as alike on every rank: nothing is exchanged per call)
     return traces + [step.traces]
 
 
@@ -270,6 +271,7 @@ def _rows_changing_on_one_rank():
         torch.testing.assert_close(got.item(), want.item(), rtol=1e-5, atol=1e-6)
         _assert_params_match(model, reference)
         traces.append(step.traces)
+    assert step.peers_in_key  # (the other ranks' rows are in the key, exchanged per call)
     return traces
 
 

@@ -144,6 +144,7 @@ class CompiledStep:
         self.lr_tensors: list[torch.Tensor] = []
         self.traces = 0
         self.called = False
+        self.peers_in_key = False  # whether a program was traced on metadata agreed with the other ranks
 
     # -- what the state is ---------------------------------------------------------------------------------------
     def _collect(self) -> None:
@@ -248,7 +249,7 @@ class CompiledStep:
             frozen,
             no_grads,
             self._hyperparameters(),
-            _peer_arguments(described),
+            _peer_arguments(described) if self.peers_in_key else None,
         )
         program = self.programs.get(key)
         if program is not None and not _same_state(held, program):
@@ -256,7 +257,8 @@ class CompiledStep:
         if program is None:
             holders = self._holders()
             program = self._trace(key, leaves, spec, holders, [h.get() for h in holders], held)
-        self.programs.move_to_end(key)
+        else:
+            self.programs.move_to_end(key)
         lrs = []
         for group, tensor in zip(self._lifted(), self.lr_tensors):
             lr = group["lr"]
@@ -306,7 +308,7 @@ class CompiledStep:
         gm, run, failure = None, None, None
         try:
             _refuse_before_tracing(self.traces, arg_leaves)
-            with _restored(self, holders, values), comm.tracing_program(), device_draws_refused():
+            with _restored(self, holders, values), comm.tracing_program() as agreed, device_draws_refused():
                 gm = make_fx(program, tracing_mode="fake")(*examples)
             with _compiler_settings(self.backend):
                 run = _backend(self.backend)(gm, examples)
@@ -318,18 +320,24 @@ class CompiledStep:
         failed = comm.check_program(gm, "compile_step's program", failed=why)
         if failed or failure is not None:
             raise StepNotTraceable(why or failed) from failure
+        if agreed and not self.peers_in_key:  # (alike on every rank: agreeing takes them all)
+            self.peers_in_key = True
+            key = (*key[:-1], _peer_arguments(key[1]))  # (what was agreed: the parts the ranks hold now)
         forms = [_form_of(v) for v in held]
         state, order = [_part(v) for _, v in present], [h for h, _ in present]
         compiled = _Program(run, held, forms, state, order, outcome["results"], outcome["forms"], outcome["writes"])
         self.programs[key] = compiled
+        self.programs.move_to_end(key)
         while len(self.programs) > _KEYS_KEPT:
             self.programs.popitem(last=False)
         return compiled
 
 
 def _peer_arguments(described: tuple) -> tuple | None:
-    """Every rank's plain tensor arguments' descriptions, exchanged (a global one's layout was agreed when made): a
-    rank whose part changes alone must neither trace alone nor run a program laid out for the others' old shapes."""
+    """Every rank's plain tensor arguments' descriptions, exchanged: once a program was laid out on what the ranks
+    agreed of their parts (``to_global`` of parts), a rank whose part changes alone must neither trace alone nor run
+    a program laid out for the others' old parts. (A global argument's layout was agreed when it was made; a part
+    laid out unchecked, ``check_meta=False``, is promised alike on every rank.)"""
     plain = tuple(d for d in described if d[0] == "plain")
     if not plain or dist.get_world_size() == 1:
         return None
@@ -558,8 +566,9 @@ def compile_step(fn=None, *, model, optimizer=None, backend="inductor"):
       hyperparameters. The learning rate of Adam, AdamW, NAdam, RAdam, Adamax, ASGD and Rprop is not in the key
       but read every call, so a scheduler does not trace again; other optimizers' (SGD's) is in it. The
       program's collectives are checked to be the same on every rank when it is traced.
-    * Every rank's plain tensor arguments' shapes are exchanged at each call and are in the key: all ranks trace
-      when one rank's change. The rest of the key must change on every rank alike.
+    * Once a program lays out plain tensor arguments by what the ranks agree of their parts (``to_global`` of
+      parts, checked), every rank's plain arguments' shapes are exchanged at each call and are in the key: all
+      ranks trace when one rank's change. The rest of the key must change on every rank alike.
     * Parameters, gradients, buffers and optimizer state are updated in place; gradients stay in the tensors that
       held them on entry, as with ``zero_grad(set_to_none=False)`` (entered with none, after ``zero_grad()``
       outside the step, the step gives them new tensors each call). State held by other tensors of the same

@@ -311,16 +311,18 @@ def tracing_program():
     """Within the block, code is traced into a program outside ``torch.compile`` (``compile_step``): ``compiling()``
     holds (collectives are functional ops, metadata is agreed once through the store), and torch's own code takes
     its traceable paths (``torch.compiler.is_compiling()``: an optimizer reads no step count). The block's record
-    of agreed metadata ends with it."""
+    of agreed metadata ends with it; the list it yields then holds what was agreed (the program depends on it)."""
     previous = torch.compiler._is_compiling_flag
     torch.compiler._is_compiling_flag = True
+    agreed = []
     try:
-        yield
+        yield agreed
     finally:
         torch.compiler._is_compiling_flag = previous
         compilation, _compilation[0] = _compilation[0], None
         if compilation is not None:
             compilation.restore()
+            agreed += compilation.agreed
 
 
 def check_program(gm, what: str, failed: str | None = None) -> str | None:
