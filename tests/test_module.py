@@ -86,38 +86,45 @@ def test_hybrid_plan_on_mesh():
     run_on_world(4, _compare_training, _hybrid_plan, (split(0), broadcast), "adam", True, [[0, 1], [2, 3]])
 
 
-def _all_reduce_starts(mesh, input_sbp, optimizer_name, foreach, bucket_mb) -> tuple[int, int]:
+def _all_reduce_starts(mesh, input_sbp, optimizer_name, foreach, bucket_mb) -> tuple[int, int, set]:
     """``_compare_training``, counting the gradient all-reduces that start while backward still runs (inside a
-    parameter's accumulation hook) and those that start after it (the end-of-backward callback)."""
-    starts = []
+    parameter's accumulation hook) and those that start after it (the end-of-backward callback); and the sizes of
+    the groups they start on."""
+    starts, sizes = [], set()
     original = comm.start_all_reduce
 
-    def recording(*args):
+    def recording(flat, op, group):
         starts.append(torch._C._current_autograd_node() is not None)
-        return original(*args)
+        sizes.add(group.size)
+        return original(flat, op, group)
 
     comm.start_all_reduce = recording
     try:
         _compare_training((broadcast,) * len(input_sbp), input_sbp, optimizer_name, foreach, mesh, bucket_mb)
     finally:
         comm.start_all_reduce = original
-    return sum(starts), len(starts) - sum(starts)
+    return sum(starts), len(starts) - sum(starts), sizes
 
 
 @pytest.mark.parametrize(
     "mesh,input_sbp,optimizer_name,foreach",
-    [([0, 1, 2], (split(0),), "sgd", False), ([[0, 1], [2, 3]], (split(0), split(0)), "adamw", True)],
-    ids=["3 ranks", "2x2 mesh"],
+    [
+        ([0, 1, 2], (split(0),), "sgd", False),
+        ([[0, 1], [2, 3]], (split(0), split(0)), "adamw", True),
+        ([[0, 1]], (split(0), split(0)), "adam", False),
+    ],
+    ids=["3 ranks", "2x2 mesh", "1x2 mesh"],
 )
 def test_buckets_reduce_during_backward(mesh, input_sbp, optimizer_name, foreach):
     """Buckets of one tensor each start their all-reduce while backward goes on (and on a mesh, the second
-    axis follows when they finish); one bucket for all starts when backward ends. The values match one
-    process either way (``_compare_training``)."""
-    world = 4 if isinstance(mesh[0], list) else len(mesh)
+    axis follows when they finish); one bucket for all starts when backward ends. None starts on an axis of one
+    rank, where the part already holds the sum. The values match one process either way (``_compare_training``)."""
+    world = sum(map(len, mesh)) if isinstance(mesh[0], list) else len(mesh)
     steps, params = len(_batches()), len(list(_mlp().parameters()))
-    during, after = run_on_world(world, _all_reduce_starts, mesh, input_sbp, optimizer_name, foreach, 1e-6)[0]
+    during, after, sizes = run_on_world(world, _all_reduce_starts, mesh, input_sbp, optimizer_name, foreach, 1e-6)[0]
     assert (during, after) == (steps * params, 0)
-    during, after = run_on_world(world, _all_reduce_starts, mesh, input_sbp, optimizer_name, foreach, 25.0)[0]
+    assert 1 not in sizes
+    during, after, sizes = run_on_world(world, _all_reduce_starts, mesh, input_sbp, optimizer_name, foreach, 25.0)[0]
     assert (during, after) == (0, steps)
 
 

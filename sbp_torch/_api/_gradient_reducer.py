@@ -52,12 +52,17 @@ class GradientReducer:
         target = gradient_sbp(param.sbp)
         if not isinstance(grad, GlobalTensor) or grad.sbp == target:
             return
-        plan = plan_boxing(grad._meta, target)
-        scatter = len(plan.steps) == 1 and plan.steps[0].collective == "reduce-scatter"
-        if not scatter and not all(step.collective == "all-reduce" for step in plan.steps):
+        shape = grad._meta.placement.shape
+        # (a step along an axis of one rank leaves the part as it is: on one rank, data parallelism moves nothing)
+        steps = [s for s in plan_boxing(grad._meta, target).steps if s.axis < 0 or shape[s.axis] > 1]
+        if not steps:
+            param.grad = GlobalTensor(grad._local, grad._meta.with_sbp(target))
+            return
+        scatter = len(steps) == 1 and steps[0].collective == "reduce-scatter"
+        if not scatter and not all(step.collective == "all-reduce" for step in steps):
             param.grad = GlobalTensor(box_local(grad._local, grad._meta, target), grad._meta.with_sbp(target))
             return
-        route = tuple((s.axis, s.src) for s in plan.steps)
+        route = tuple((s.axis, s.src) for s in steps)
         # all-reduce buckets share a target layout; reduce-scatter buckets mix them (each part is cut alone)
         meta = grad._meta  # (its fields, not the tensor's getters: no torch function per gradient)
         key = (meta.placement, meta.dtype, route, "reduce-scatter" if scatter else target)
