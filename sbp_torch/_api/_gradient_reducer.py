@@ -49,18 +49,23 @@ class GradientReducer:
 
     def _on_accumulated(self, param: nn.Parameter) -> None:
         grad = param.grad
-        target = gradient_sbp(param.sbp)
-        if not isinstance(grad, GlobalTensor) or grad.sbp == target:
+        target = gradient_sbp(param._meta.sbp)
+        if not isinstance(grad, GlobalTensor):
+            return
+        if grad._meta.sbp == target:
+            if grad._meta is not param._meta and grad._meta == param._meta:
+                grad._meta = param._meta  # (the same metadata, as one object: see ``_reduced_meta``)
             return
         shape = grad._meta.placement.shape
         # (a step along an axis of one rank leaves the part as it is: on one rank, data parallelism moves nothing)
         steps = [s for s in plan_boxing(grad._meta, target).steps if s.axis < 0 or shape[s.axis] > 1]
         if not steps:
-            param.grad = GlobalTensor(grad._local, grad._meta.with_sbp(target))
+            param.grad = GlobalTensor(grad._local, _reduced_meta(param, grad._meta, target))
             return
         scatter = len(steps) == 1 and steps[0].collective == "reduce-scatter"
         if not scatter and not all(step.collective == "all-reduce" for step in steps):
-            param.grad = GlobalTensor(box_local(grad._local, grad._meta, target), grad._meta.with_sbp(target))
+            local = box_local(grad._local, grad._meta, target)
+            param.grad = GlobalTensor(local, _reduced_meta(param, grad._meta, target))
             return
         route = tuple((s.axis, s.src) for s in steps)
         # all-reduce buckets share a target layout; reduce-scatter buckets mix them (each part is cut alone)
@@ -122,7 +127,16 @@ class GradientReducer:
                 local = p.grad._local
                 part = flat[offset : offset + local.numel()].view(local.shape)
                 offset += local.numel()
-                p.grad = GlobalTensor(part, p.grad._meta.with_sbp(target))
+                p.grad = GlobalTensor(part, _reduced_meta(p, p.grad._meta, target))
+
+
+def _reduced_meta(param: nn.Parameter, meta, target):
+    """``meta.with_sbp(target)``: the parameter's own metadata object where they are equal (a gradient laid out like
+    its parameter), so that the keys of the optimizer's cached calls compare it by identity, not field by field."""
+    own = param._meta
+    if target == own.sbp and (meta.shape, meta.dtype, meta.placement) == (own.shape, own.dtype, own.placement):
+        return own
+    return meta.with_sbp(target)
 
 
 _REDUCERS: weakref.WeakSet = weakref.WeakSet()
@@ -152,13 +166,13 @@ def _reduce_scatter_bucket(params: list, placement, axis: int, src) -> None:
     coord = placement.local_coord()
     if coord is None:  # not a rank of the placement: nothing held, nothing to reduce
         for p in params:
-            meta = p.grad._meta.with_sbp(gradient_sbp(p.sbp))
+            meta = _reduced_meta(p, p.grad._meta, gradient_sbp(p._meta.sbp))
             p.grad = GlobalTensor(p.grad._local.new_empty(meta.local_shape(coord)), meta)
         return
     parts = []
     for p in params:
-        dim = gradient_sbp(p.sbp)[axis].dim
+        dim = gradient_sbp(p._meta.sbp)[axis].dim
         parts.append(p.grad._local.split(axis_view(p.grad._meta, axis, coord).sizes(dim), dim=dim))
     finish = comm.start_reduce_scatter_parts(parts, src.op, comm.axis_group(placement, axis))
     for p, mine in zip(params, finish()):
-        p.grad = GlobalTensor(mine, p.grad._meta.with_sbp(gradient_sbp(p.sbp)))
+        p.grad = GlobalTensor(mine, _reduced_meta(p, p.grad._meta, gradient_sbp(p._meta.sbp)))

@@ -119,10 +119,14 @@ def module_to_global(
     sharding = _sharding(placement, shard, mixed_precision)
     memo: dict = {}
     params = []
+    metas: dict = {}
     for full_name, _, table, name, tensor in module_tensors(module):
         if isinstance(tensor, GlobalTensor):
             continue
         new = _globalize(full_name, tensor, placement, sbp, memo, sharding)
+        # tensors of equal metadata share one object: the keys of cached calls then compare it by identity (an
+        # optimizer's calls, parameter after parameter), not field by field in Python
+        new._meta = metas.setdefault(new._meta, new._meta)
         table[name] = new
         if isinstance(new, nn.Parameter) and new.requires_grad and all(new is not p for p in params):
             params.append(new)
