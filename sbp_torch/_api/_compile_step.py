@@ -334,10 +334,8 @@ class CompiledStep:
 
 
 def _peer_arguments(described: tuple) -> tuple | None:
-    """Every rank's plain tensor arguments' descriptions, exchanged: once a program was laid out on what the ranks
-    agreed of their parts (``to_global`` of parts), a rank whose part changes alone must neither trace alone nor run
-    a program laid out for the others' old parts. (A global argument's layout was agreed when it was made; a part
-    laid out unchecked, ``check_meta=False``, is promised alike on every rank.)"""
+    """Every rank's plain tensor arguments' descriptions, exchanged: a rank whose part changes alone must neither
+    trace alone nor run a program laid out on what the ranks agreed of their old parts (docs/compile.md)."""
     plain = tuple(d for d in described if d[0] == "plain")
     if not plain or dist.get_world_size() == 1:
         return None
@@ -566,9 +564,8 @@ def compile_step(fn=None, *, model, optimizer=None, backend="inductor"):
       hyperparameters. The learning rate of Adam, AdamW, NAdam, RAdam, Adamax, ASGD and Rprop is not in the key
       but read every call, so a scheduler does not trace again; other optimizers' (SGD's) is in it. The
       program's collectives are checked to be the same on every rank when it is traced.
-    * Once a program lays out plain tensor arguments by what the ranks agree of their parts (``to_global`` of
-      parts, checked), every rank's plain arguments' shapes are exchanged at each call and are in the key: all
-      ranks trace when one rank's change. The rest of the key must change on every rank alike.
+    * Once a program lays out parts by what the ranks agreed of them, every rank's plain arguments' shapes are
+      exchanged per call and keyed: all ranks trace when one rank's change. The rest must change alike.
     * Parameters, gradients, buffers and optimizer state are updated in place; gradients stay in the tensors that
       held them on entry, as with ``zero_grad(set_to_none=False)`` (entered with none, after ``zero_grad()``
       outside the step, the step gives them new tensors each call). State held by other tensors of the same

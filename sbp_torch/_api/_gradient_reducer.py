@@ -59,12 +59,9 @@ class GradientReducer:
         shape = grad._meta.placement.shape
         # (a step along an axis of one rank leaves the part as it is: on one rank, data parallelism moves nothing)
         steps = [s for s in plan_boxing(grad._meta, target).steps if s.axis < 0 or shape[s.axis] > 1]
-        if not steps:
-            param.grad = GlobalTensor(grad._local, _reduced_meta(param, grad._meta, target))
-            return
         scatter = len(steps) == 1 and steps[0].collective == "reduce-scatter"
-        if not scatter and not all(step.collective == "all-reduce" for step in steps):
-            local = box_local(grad._local, grad._meta, target)
+        if not steps or (not scatter and not all(step.collective == "all-reduce" for step in steps)):
+            local = box_local(grad._local, grad._meta, target) if steps else grad._local
             param.grad = GlobalTensor(local, _reduced_meta(param, grad._meta, target))
             return
         route = tuple((s.axis, s.src) for s in steps)
