@@ -45,7 +45,7 @@ from ._api import (
     zeros,
 )
 from ._boxing import BoxingPlan, BoxingStep, plan_boxing
-from ._comm import CollectiveError
+from ._comm import CollectiveError, RanksDisagree
 from ._dispatch import PYTHON_CALLEES, MixedTensorError, implicit_broadcast, set_strict, strict, torch_dispatch
 from ._frontend import torch_function
 from ._layout import Placement as placement
@@ -65,6 +65,7 @@ __all__ = [
     "MemoryReport",
     "MixedPrecision",
     "MixedTensorError",
+    "RanksDisagree",
     "arange",
     "boxing_plan",
     "cache_clear",

@@ -272,13 +272,24 @@ def _rows_changing_on_one_rank():
         _assert_params_match(model, reference)
         traces.append(step.traces)
     assert step.peers_in_key  # (the other ranks' rows are in the key, exchanged per call)
-    return traces
+
+    @st.compile_step(model=model, optimizer=optimizer, backend=None)
+    def other(part):
+        return step.fn(part)
+
+    other(parts[dist.get_rank()])
+    other(parts[dist.get_rank()])
+    with pytest.raises(st.RanksDisagree) as err:  # each rank calls another step: both raise, neither waits
+        (step if dist.get_rank() == 0 else other)(parts[dist.get_rank()])
+    return traces, str(err.value)
 
 
 def test_rows_that_change_on_one_rank_trace_on_every_rank():
     # first call eager (0); each new pair of row counts traces on both ranks, (3, 5) and (5, 3) included, although
     # each rank alone has seen its rows before; pairs seen before run their programs
-    assert run_on_world(2, _rows_changing_on_one_rank) == [[0, 1, 2, 3, 4, 4, 4]] * 2
+    for traces, message in run_on_world(2, _rows_changing_on_one_rank):
+        assert traces == [0, 1, 2, 3, 4, 4, 4]
+        assert "called different steps at once (rank 0: _rows_changing_on_one_rank.<locals>.step, rank 1:" in message
 
 
 def _refusals():

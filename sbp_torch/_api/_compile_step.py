@@ -249,7 +249,7 @@ class CompiledStep:
             frozen,
             no_grads,
             self._hyperparameters(),
-            _peer_arguments(described) if self.peers_in_key else None,
+            self._peer_arguments(described) if self.peers_in_key else None,
         )
         program = self.programs.get(key)
         if program is not None and not _same_state(held, program):
@@ -271,6 +271,18 @@ class CompiledStep:
         for holder, form in program.writes:
             holder.set(None if form is None else next(values) if form == "plain" else GlobalTensor(next(values), form))
         return _results(program, outputs[:count])
+
+    def _peer_arguments(self, described: tuple) -> tuple | None:
+        """Every rank's plain tensor arguments' descriptions, exchanged: a rank whose part changes alone must neither
+        trace alone nor run a program laid out on what the ranks agreed of their old parts (docs/compile.md)."""
+        if dist.get_world_size() == 1:
+            return None
+        plain = tuple(d for d in described if d[0] == "plain")
+        gathered = comm.gather_call_facts("a compile_step call", (getattr(self.fn, "__qualname__", "a step"), plain))
+        if len({n for n, _ in gathered}) > 1:
+            steps = ", ".join(f"rank {r}: {n}" for r, (n, _) in enumerate(gathered))
+            raise comm.RanksDisagree(f"compile_step: the ranks called different steps at once ({steps})")
+        return tuple(p for _, p in gathered)
 
     def _trace(self, key, leaves, spec, holders, values, held) -> _Program:
         self.traces += 1
@@ -322,7 +334,7 @@ class CompiledStep:
             raise StepNotTraceable(why or failed) from failure
         if agreed and not self.peers_in_key:  # (alike on every rank: agreeing takes them all)
             self.peers_in_key = True
-            key = (*key[:-1], _peer_arguments(key[1]))  # (what was agreed: the parts the ranks hold now)
+            key = (*key[:-1], self._peer_arguments(key[1]))  # (what was agreed: the parts the ranks hold now)
         forms = [_form_of(v) for v in held]
         state, order = [_part(v) for _, v in present], [h for h, _ in present]
         compiled = _Program(run, held, forms, state, order, outcome["results"], outcome["forms"], outcome["writes"])
@@ -331,15 +343,6 @@ class CompiledStep:
         while len(self.programs) > _KEYS_KEPT:
             self.programs.popitem(last=False)
         return compiled
-
-
-def _peer_arguments(described: tuple) -> tuple | None:
-    """Every rank's plain tensor arguments' descriptions, exchanged: a rank whose part changes alone must neither
-    trace alone nor run a program laid out on what the ranks agreed of their old parts (docs/compile.md)."""
-    plain = tuple(d for d in described if d[0] == "plain")
-    if not plain or dist.get_world_size() == 1:
-        return None
-    return tuple(comm.gather_call_facts("a compile_step call", plain))
 
 
 def _refuse_before_tracing(traces: int, arg_leaves: list) -> None:
