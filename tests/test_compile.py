@@ -126,22 +126,32 @@ def test_random_layouts_compiled_match_one_process(world, rows, cols, sbps):
 
 
 def _to_global_inside(ranks):
+    """``to_global`` of this rank's uneven part inside a compiled function: the parts change, on some ranks only,
+    and every call gives the one-process result (the part is laid out at each call, outside the compiled graphs);
+    with ``fullgraph=True`` every rank raises, naming why."""
     p = st.placement("cpu", ranks)
     me = torch.distributed.get_rank()
-    sizes = [5, 2, 4][: len(ranks)]
-    parts = [torch.randn(n, 6, generator=torch.Generator().manual_seed(n)) for n in sizes]
-    full = torch.cat(parts)
 
     def program(local, w):
-        x = local.to_global(p, S(0))  # uneven parts: the shapes are exchanged while tracing
+        x = local.to_global(p, S(0))  # uneven parts: the global tensor depends on every rank's
         return (x.to_global(sbp=S(1)) * w).sum(0)
 
-    got = compiled(program)(parts[me], layout(full, p, B))
-    torch.testing.assert_close(got.full_tensor(), (full * full).sum(0))
+    graphs = Graphs("aot_eager")
+    torch._dynamo.reset()
+    f = torch.compile(program, backend=graphs, dynamic=False)
+    # (5, 3, 3) and (3, 2, 4) mix the parts of the first two: each rank alone has seen its part before
+    for sizes in ([5, 2, 4], [5, 2, 4], [3, 3, 3], [5, 3, 3], [3, 2, 4]):
+        parts = [torch.randn(n, 6, generator=torch.Generator().manual_seed(n)) for n in sizes]
+        full = torch.cat(parts)
+        got = f(parts[me], layout(full, p, B))
+        torch.testing.assert_close(got.full_tensor(), (full * full).sum(0), msg=str(sizes))
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="sbp_torch: to_global of this rank's part runs"):
+        compiled(program)(parts[me], layout(full, p, B))
+    return graphs.count
 
 
 def test_to_global_inside_a_compiled_program():
-    run_on_world(3, _to_global_inside, [0, 1, 2])
+    assert run_on_world(3, _to_global_inside, [0, 1, 2])[0] > 0
 
 
 def _to_global_under_global_mode(ranks):
@@ -151,11 +161,13 @@ def _to_global_under_global_mode(ranks):
     ref_w1 = W1.clone().requires_grad_()
 
     def program(x, w1, w2_part):
-        # Dynamo hands the method to the torch function mode, which calls it as a function; and the function form
+        # Dynamo hands the method to the torch function mode, which calls it as a function; and the function form,
+        # of this rank's part, which runs outside the compiled graphs (a graph break: not fullgraph)
         with st.global_mode(p, B):
             return mlp_loss(x, w1.to_global(sbp=B), st.to_global(w2_part, p, S(0)))
 
-    loss = compiled(program)(x, w1, w2_part)
+    torch._dynamo.reset()
+    loss = torch.compile(program, backend="aot_eager")(x, w1, w2_part)
     loss.backward()
     want = mlp_loss(X, ref_w1, W2)
     want.backward()

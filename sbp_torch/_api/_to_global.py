@@ -6,6 +6,7 @@ balanced parts that a global tensor holds, and the gradient comes back cut like 
 
 import torch
 import torch.distributed as dist
+from torch._guards import CompileContext
 from torch.compiler import is_dynamo_compiling
 
 from .. import _comm as comm
@@ -125,7 +126,9 @@ def _from_local(x: torch.Tensor, p: Placement, sbp, check_meta: bool) -> GlobalT
     raw = sbp if isinstance(sbp, (tuple, list)) else (sbp,)
     ndim = x.dim()
     shapes = {}
-    if check_meta or any(isinstance(s, Split) for s in raw):
+    if _exchanges(raw, check_meta):
+        if CompileContext.current_compile_id() is not None:  # (Dynamo's run: a graph break, see to_global)
+            raise torch._dynamo.exc.Unsupported(_PARTS_AT_EACH_CALL)
         # Everything that can differ between ranks is checked on the exchanged values, so all ranks agree
         # on whether to raise. Ranks outside the placement pass any tensor of the right dtype.
         agreed = (p.type, p.shape, p.flat_ranks, repr(tuple(raw)), str(x.dtype))
@@ -139,6 +142,24 @@ def _from_local(x: torch.Tensor, p: Placement, sbp, check_meta: bool) -> GlobalT
     shape = _logical_shape(p, sbp, shapes) if shapes else tuple(x.shape)
     comm.ensure_groups(p)
     return _FromLocal.apply(x, GlobalMeta(shape, x.dtype, p, sbp), shapes)
+
+
+# Dynamo's guards see this rank's part alone, so a compiled graph would keep the other ranks' parts it was compiled
+# with, which may change on one rank alone: the call runs eagerly instead, its ranks agreeing at every call
+_PARTS_AT_EACH_CALL = (
+    "sbp_torch: to_global of this rank's part runs outside the compiled graph, at each call: the global tensor "
+    "depends on every rank's part (lay it out before, or unchecked as broadcast, to keep it inside)"
+)
+
+
+def _exchanges(sbp, check: bool | None) -> bool:
+    splits = any(isinstance(s, Split) for s in (sbp if isinstance(sbp, (tuple, list)) else (sbp,)))
+    return check is None or bool(check) or splits
+
+
+@torch.compiler.disable(reason=_PARTS_AT_EACH_CALL)
+def _from_parts_at_each_call(x, placement, sbp, check_meta):
+    return _from_local(x, placement, sbp, True if check_meta is None else check_meta)
 
 
 _COMPILED_MOVE = "inside a compiled program, with a gradient: move it outside the compiled function, or detach it"
@@ -165,6 +186,8 @@ def to_global(x: torch.Tensor, placement: Placement | None = None, sbp=None, *, 
     Differentiable: the gradient comes back in the input's layout (see ``gradient_sbp``).
     """
     if is_dynamo_compiling() and isinstance(x, torch.Tensor):
+        if not isinstance(x, GlobalTensor) and _exchanges(sbp, check_meta):
+            return _from_parts_at_each_call(x, placement, sbp, check_meta)
         # Dynamo records ``x.to_global(...)`` as one call of the method, which AOTAutograd runs through the
         # dispatcher; it cannot trace this body (process-group caches, placements as keys), which it inlines
         # where the call comes as a function: written so, or passed on by a torch function mode (Dynamo, when
