@@ -159,7 +159,7 @@ def _exchanges(sbp, check: bool | None) -> bool:
 
 @torch.compiler.disable(reason=_PARTS_AT_EACH_CALL)
 def _from_parts_at_each_call(x, placement, sbp, check_meta):
-    return _from_local(x, placement, sbp, True if check_meta is None else check_meta)
+    return to_global(x, placement, sbp, check_meta=check_meta)
 
 
 _COMPILED_MOVE = "inside a compiled program, with a gradient: move it outside the compiled function, or detach it"
