@@ -244,7 +244,8 @@ def test_retraces_when_its_key_or_state_changes():
 
 def _rows_changing_on_one_rank():
     """Each rank lays out its own rows of the batch inside the step, and the rows change on one rank at a time: a
-    program laid out for one pair of row counts must not run for another (the loss is a mean over all rows)."""
+    program laid out for one pair of row counts must not run for another (the loss is a mean over all rows). The
+    rows come as the part's shape, then as a number the step cuts the part to."""
     torch.manual_seed(0)
     reference = MLP(5, 6)
     model = copy.deepcopy(reference)
@@ -253,43 +254,48 @@ def _rows_changing_on_one_rank():
     ref_opt, optimizer = _adamw(reference), _adamw(model)
 
     @st.compile_step(model=model, optimizer=optimizer, backend=None)
-    def step(part):
-        loss = model(part.to_global(placement, (S(0),)))
+    def step(part, rows):
+        loss = model(part[:rows].to_global(placement, (S(0),)))
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         return loss
 
-    traces = []
-    for i, rows in enumerate([(3, 3), (3, 3), (5, 5), (3, 5), (5, 3), (3, 5), (3, 3)]):
+    nested = torch.compile(lambda part, rows: step(part, rows), backend="eager")  # (the step runs as it is)
+    traces, me = [], dist.get_rank()
+    cases = [(3, 3), (3, 3), (5, 5), (3, 5), (5, 3)] + [(3, 3, "count"), (5, 5, "count"), (3, 5, "count")] * 2
+    for i, case in enumerate(cases):
+        rows, by_count = case[:2], len(case) > 2
         parts = [x[:n] for x, n in zip(_batches(2, 5, 5, seed=i), rows)]
         want = reference(torch.cat(parts))
         ref_opt.zero_grad()
         want.backward()
         ref_opt.step()
-        got = step(parts[dist.get_rank()])
-        torch.testing.assert_close(got.item(), want.item(), rtol=1e-5, atol=1e-6)
+        call = nested if i == len(cases) - 1 else step
+        got = call(_batches(2, 5, 5, seed=i)[me], rows[me]) if by_count else call(parts[me], 5)
+        torch.testing.assert_close(got.item(), want.item(), rtol=1e-5, atol=1e-6, msg=str(cases[i]))
         _assert_params_match(model, reference)
         traces.append(step.traces)
     assert step.peers_in_key  # (the other ranks' rows are in the key, exchanged per call)
 
     @st.compile_step(model=model, optimizer=optimizer, backend=None)
-    def other(part):
-        return step.fn(part)
+    def other(part, rows):
+        return step.fn(part, rows)
 
-    other(parts[dist.get_rank()])
-    other(parts[dist.get_rank()])
+    other(parts[me], 5)
+    other(parts[me], 5)
     with pytest.raises(st.RanksDisagree) as err:  # each rank calls another step: both raise, neither waits
-        (step if dist.get_rank() == 0 else other)(parts[dist.get_rank()])
+        (step if me == 0 else other)(parts[me], 5)
     return traces, str(err.value)
 
 
 def test_rows_that_change_on_one_rank_trace_on_every_rank():
-    # first call eager (0); each new pair of row counts traces on both ranks, (3, 5) and (5, 3) included, although
-    # each rank alone has seen its rows before; pairs seen before run their programs
+    # first call eager (0); each new pair of rows traces on both ranks, (3, 5) and (5, 3) included, although each
+    # rank alone has seen its rows before; pairs seen before run their programs, a call from a compiled function too
     for traces, message in run_on_world(2, _rows_changing_on_one_rank):
-        assert traces == [0, 1, 2, 3, 4, 4, 4]
-        assert "called different steps at once (rank 0: _rows_changing_on_one_rank.<locals>.step, rank 1:" in message
+        assert traces == [0, 1, 2, 3, 4, 5, 5, 6, 6, 6, 6]
+        assert "called different steps at once (rank 0: step #" in message
+        assert "<locals>.step), rank 1: step #" in message and message.endswith("<locals>.other))")
 
 
 def _refusals():

@@ -27,7 +27,7 @@ import dataclasses
 import operator
 from collections import OrderedDict
 from collections.abc import Callable
-from itertools import chain, repeat
+from itertools import chain, count, repeat
 from typing import Any, NamedTuple
 
 import torch
@@ -53,6 +53,8 @@ _TENSOR_LR = (
 )
 _TRACES_PER_STEP = 16  # a step traced more often than this is re-laid out every call: refused, not slowed down
 _KEYS_KEPT = 8  # traced programs kept per step (one per argument shape, in a loop with a few)
+_MADE = count()  # steps made so far in this process: each rank makes its steps in the same order
+_PORTABLE = (bool, int, float, complex, str, type(None))  # values whose pickle means the same on every rank
 _grad_of = torch._C.TensorBase.grad.__get__
 _training = operator.attrgetter("training")
 _local_of = operator.attrgetter("_local")
@@ -145,6 +147,7 @@ class CompiledStep:
         self.traces = 0
         self.called = False
         self.peers_in_key = False  # whether a program was traced on metadata agreed with the other ranks
+        self.name = f"step #{next(_MADE)} ({getattr(fn, '__qualname__', type(fn).__name__)})"
 
     # -- what the state is ---------------------------------------------------------------------------------------
     def _collect(self) -> None:
@@ -226,6 +229,7 @@ class CompiledStep:
         self.programs.clear()
 
     # -- calling --------------------------------------------------------------------------------------------------
+    @torch.compiler.disable  # (inside a compiled function, the step runs as it is: its own program)
     def __call__(self, *args, **kwargs):
         if not self.called:  # the optimizer's state and the gradients appear here, before any trace
             result = self.fn(*args, **kwargs)
@@ -273,16 +277,22 @@ class CompiledStep:
         return _results(program, outputs[:count])
 
     def _peer_arguments(self, described: tuple) -> tuple | None:
-        """Every rank's plain tensor arguments' descriptions, exchanged: a rank whose part changes alone must neither
-        trace alone nor run a program laid out on what the ranks agreed of their old parts (docs/compile.md)."""
+        """Every rank's arguments but the global ones (plain tensors and values: what may differ between ranks),
+        exchanged: a rank whose arguments change alone must neither trace alone nor run a program laid out on what
+        the ranks agreed of their old ones (docs/compile.md)."""
         if dist.get_world_size() == 1:
             return None
-        plain = tuple(d for d in described if d[0] == "plain")
-        gathered = comm.gather_call_facts("a compile_step call", (getattr(self.fn, "__qualname__", "a step"), plain))
-        if len({n for n, _ in gathered}) > 1:
-            steps = ", ".join(f"rank {r}: {n}" for r, (n, _) in enumerate(gathered))
+        # (a value other than a number or string goes by its type's name and repr, which every rank can read)
+        mine = [
+            d if d[0] == "plain" or isinstance(d[2], _PORTABLE) else (d[1].__qualname__, repr(d[2]))
+            for d in described
+            if d[0] != "global"
+        ]
+        gathered = comm.gather_call_facts("a compile_step call", (self.name, tuple(mine)))
+        if len({name for name, _ in gathered}) > 1:
+            steps = ", ".join(f"rank {r}: {name}" for r, (name, _) in enumerate(gathered))
             raise comm.RanksDisagree(f"compile_step: the ranks called different steps at once ({steps})")
-        return tuple(p for _, p in gathered)
+        return tuple(theirs for _, theirs in gathered)
 
     def _trace(self, key, leaves, spec, holders, values, held) -> _Program:
         self.traces += 1

@@ -127,7 +127,7 @@ def _from_local(x: torch.Tensor, p: Placement, sbp, check_meta: bool) -> GlobalT
     ndim = x.dim()
     shapes = {}
     if _exchanges(raw, check_meta):
-        if CompileContext.current_compile_id() is not None:  # (Dynamo's run: a graph break, see to_global)
+        if CompileContext.current_compile_id() is not None and dist.get_world_size() > 1:  # (a graph break, below)
             raise torch._dynamo.exc.Unsupported(_PARTS_AT_EACH_CALL)
         # Everything that can differ between ranks is checked on the exchanged values, so all ranks agree
         # on whether to raise. Ranks outside the placement pass any tensor of the right dtype.
@@ -186,7 +186,7 @@ def to_global(x: torch.Tensor, placement: Placement | None = None, sbp=None, *, 
     Differentiable: the gradient comes back in the input's layout (see ``gradient_sbp``).
     """
     if is_dynamo_compiling() and isinstance(x, torch.Tensor):
-        if not isinstance(x, GlobalTensor) and _exchanges(sbp, check_meta):
+        if not isinstance(x, GlobalTensor) and _exchanges(sbp, check_meta) and dist.get_world_size() > 1:
             return _from_parts_at_each_call(x, placement, sbp, check_meta)
         # Dynamo records ``x.to_global(...)`` as one call of the method, which AOTAutograd runs through the
         # dispatcher; it cannot trace this body (process-group caches, placements as keys), which it inlines
