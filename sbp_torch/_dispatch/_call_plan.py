@@ -62,11 +62,11 @@ def compile_plan(bound: BoundCall, decision: Decision) -> CallPlan:
     coord = placement.local_coord()
     func, slots, written = bound.func, bound.slots, bound.written
     returns_written = bound.schema.returns_written
+    # the op on this member rank's parts, none boxed, no local function
+    unboxed = coord is not None and decision.local_fn is None and all(p is None for p in plans)
     simple = (
-        coord is not None
-        and decision.local_fn is None
+        unboxed
         and all(index is None and not isinstance(where, str) for where, index in slots)
-        and all(p is None for p in plans)
         and (
             (returns_written and written == (0,) and slots[0] == (0, None))
             or (not written and bound.schema.returns_one_tensor)
@@ -82,12 +82,7 @@ def compile_plan(bound: BoundCall, decision: Decision) -> CallPlan:
         and not written
         and len(decision.outputs) == 1
     )
-    as_is = (
-        coord is not None
-        and decision.local_fn is None
-        and decision.rule.outside is None
-        and all(p is None for p in plans)
-    )
+    as_is = unboxed and decision.rule.outside is None
     runs_as_is = as_is and not written and not any(isinstance(where, str) for where, _ in slots)
     return CallPlan(
         func,
