@@ -577,8 +577,8 @@ def compile_step(fn=None, *, model, optimizer=None, backend="inductor"):
       hyperparameters. The learning rate of Adam, AdamW, NAdam, RAdam, Adamax, ASGD and Rprop is not in the key
       but read every call, so a scheduler does not trace again; other optimizers' (SGD's) is in it. The
       program's collectives are checked to be the same on every rank when it is traced.
-    * Once a program lays out parts by what the ranks agreed of them, every rank's plain arguments' shapes are
-      exchanged per call and keyed: all ranks trace when one rank's change. The rest must change alike.
+    * Once a program lays out parts by what the ranks agreed of them, every rank's non-global arguments (shapes,
+      values) are exchanged per call and keyed: all ranks trace when one rank's change. The rest must change alike.
     * Parameters, gradients, buffers and optimizer state are updated in place; gradients stay in the tensors that
       held them on entry, as with ``zero_grad(set_to_none=False)`` (entered with none, after ``zero_grad()``
       outside the step, the step gives them new tensors each call). State held by other tensors of the same
