@@ -559,3 +559,55 @@ def test_a_refusal_on_one_rank_reaches_every_rank():
     messages = run_on_world(2, _refused_on_one_rank)
     assert messages[0].startswith("compile_step: an argument of the step requires grad")
     assert messages[1].startswith("rank(s) [0] could not trace compile_step's program; rank 0: compile_step: an")
+
+
+def _changed_on_rank_1(change: str):
+    """A data-parallel step run twice as a program; then rank 1 alone changes what it is traced for (``eval``), or
+    its program raises (``raises``), at the next call."""
+    placement = st.placement("cpu", [0, 1])
+    model = MLP(4, 4).to_global(placement, B)
+    optimizer = _adamw(model)
+    calls = []
+
+    def backend(gm, examples):
+        def run(*inputs):
+            calls.append(None)
+            if change == "raises" and len(calls) == 3 and dist.get_rank() == 1:
+                raise ValueError("boom in rank 1's program")
+            return gm(*inputs)
+
+        return run
+
+    @st.compile_step(model=model, optimizer=optimizer, backend=backend)
+    def step(x):
+        loss = model(x.to_global(placement, (B,), check_meta=False).to_global(sbp=(S(0),)))
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    for _ in range(3):
+        step(torch.ones(6, 4))
+    if change == "eval" and dist.get_rank() == 1:
+        model.eval()
+    step(torch.ones(6, 4))
+
+
+@pytest.mark.parametrize("change", ["eval", "raises"])
+def test_a_change_or_failure_on_one_rank_is_an_error_on_every_rank(change):
+    # without the ranks' word on each call, rank 1 would trace alone, or fail alone, while rank 0 waits in its
+    # program's collectives, both until the timeout (60 s here; a missing answer within 30 s fails the test)
+    from world import RankFailure
+
+    with pytest.raises(RankFailure) as caught:
+        run_on_world(2, _changed_on_rank_1, change, _timeout=30)
+    failures = caught.value.failures
+    assert caught.value.missing == [] and sorted(failures) == [0, 1], caught.value
+    if change == "eval":
+        why = "RanksDisagree: compile_step, step #"
+        assert why in failures[1] and "traces a new program at call #2 while rank(s) [0] run" in failures[1]
+        assert "On this rank a module's training flag changed." in failures[1]
+    else:
+        why = "ValueError in compile_step's program (step #"
+        assert "ValueError: boom in rank 1's program" in failures[1]
+    assert "CollectiveError: compile_step, step #" in failures[0] and "a collective of its program" in failures[0]
+    assert f"posted by the ranks that failed:\n  rank 1 raised {why}" in failures[0], failures[0]

@@ -147,7 +147,9 @@ class CompiledStep:
         self.traces = 0
         self.called = False
         self.peers_in_key = False  # whether a program was traced on metadata agreed with the other ranks
-        self.name = f"step #{next(_MADE)} ({getattr(fn, '__qualname__', type(fn).__name__)})"
+        self.number = next(_MADE)
+        self.name = f"step #{self.number} ({getattr(fn, '__qualname__', type(fn).__name__)})"
+        self.calls = 0  # calls after the first, eager one: counted alike on every rank
 
     # -- what the state is ---------------------------------------------------------------------------------------
     def _collect(self) -> None:
@@ -258,7 +260,13 @@ class CompiledStep:
         program = self.programs.get(key)
         if program is not None and not _same_state(held, program):
             program = None
+        shared, call = dist.get_world_size() > 1, self.calls
+        self.calls += 1
+        if shared:
+            comm.announce_call(self.number, call, program is None)
         if program is None:
+            if shared:
+                self._refuse_a_lone_trace(key, call)
             holders = self._holders()
             program = self._trace(key, leaves, spec, holders, [h.get() for h in holders], held)
         else:
@@ -269,7 +277,14 @@ class CompiledStep:
             tensor.copy_(lr) if isinstance(lr, torch.Tensor) else tensor.fill_(lr)  # (the traced dtype and device)
             lrs.append(tensor)
         inputs = [_part(leaf) for leaf in leaves if isinstance(leaf, torch.Tensor)]
-        outputs = program.run(*lrs, *program.state, *inputs)
+        try:
+            outputs = program.run(*lrs, *program.state, *inputs)
+        except Exception as err:
+            if shared and comm.posted_failures():  # (their collectives failed here: say why)
+                raise comm.collective_failed(f"compile_step, {self.name}: a collective of its program", err) from err
+            if shared:  # this rank's failure: posted, its groups closed, so that no rank waits for it
+                comm.local_failure(f"compile_step's program ({self.name})", err)
+            raise
         count = len(program.result_forms)
         values = iter(outputs[count:])
         for holder, form in program.writes:
@@ -293,6 +308,20 @@ class CompiledStep:
             steps = ", ".join(f"rank {r}: {name}" for r, (name, _) in enumerate(gathered))
             raise comm.RanksDisagree(f"compile_step: the ranks called different steps at once ({steps})")
         return tuple(theirs for _, theirs in gathered)
+
+    def _refuse_a_lone_trace(self, key, call: int) -> None:
+        """Raise on this rank, its world closed, where it would trace a program while other ranks run one they
+        hold: each would wait for the other until a timeout (``comm.ranks_running``)."""
+        running = comm.ranks_running(self.number, call, f"compile_step, {self.name}")
+        if not running:
+            return
+        error = comm.RanksDisagree(
+            f"compile_step, {self.name}: this rank traces a new program at call #{call} while rank(s) {running} run "
+            f"one they traced before. On this rank {_what_changed(key, self.programs)}. What a program is traced "
+            "for must change on every rank alike (docs/compile.md)"
+        )
+        comm.close_world(f"RanksDisagree: {error}", error)
+        raise error
 
     def _trace(self, key, leaves, spec, holders, values, held) -> _Program:
         self.traces += 1
@@ -353,6 +382,24 @@ class CompiledStep:
         while len(self.programs) > _KEYS_KEPT:
             self.programs.popitem(last=False)
         return compiled
+
+
+# What each entry of a program's key holds (``CompiledStep.__call__``), for messages
+_KEY_PARTS = ("the arguments' nesting", "the arguments' shapes, dtypes, layouts or values", "grad mode")
+_KEY_PARTS += ("autocast or the default dtype", "a module's training flag", "which parameters require grad")
+_KEY_PARTS += ("which gradients are None", "the optimizer's hyperparameters", "the ranks' arguments")
+
+
+def _what_changed(key: tuple, programs: OrderedDict) -> str:
+    """What differs between ``key``, for which this rank traces, and the program it ran last, in words."""
+    if key in programs:
+        return "the forms of the tensors holding the state (parameters, gradients, buffers, optimizer state) changed"
+    if not programs:
+        return "no program is held: reset() was called"
+    changed = [part for part, new, old in zip(_KEY_PARTS, key, next(reversed(programs))) if new != old]
+    if not changed:
+        return "the program for this key was dropped: reset() was called, or the step met more keys than it keeps"
+    return " and ".join(changed) + " changed"
 
 
 def _refuse_before_tracing(traces: int, arg_leaves: list) -> None:
@@ -578,7 +625,9 @@ def compile_step(fn=None, *, model, optimizer=None, backend="inductor"):
       but read every call, so a scheduler does not trace again; other optimizers' (SGD's) is in it. The
       program's collectives are checked to be the same on every rank when it is traced.
     * Once a program lays out parts by what the ranks agreed of them, every rank's non-global arguments (shapes,
-      values) are exchanged per call and keyed: all ranks trace when one rank's change. The rest must change alike.
+      values) are exchanged per call and keyed: all ranks trace when one rank's change. The rest must change alike:
+      a rank that would trace where the others run a program raises ``RanksDisagree`` at once, as does every rank
+      (its world is closed, docs/faults.md); so where a program raises on one rank.
     * Parameters, gradients, buffers and optimizer state are updated in place; gradients stay in the tensors that
       held them on entry, as with ``zero_grad(set_to_none=False)`` (entered with none, after ``zero_grad()``
       outside the step, the step gives them new tensors each call). State held by other tensors of the same
