@@ -10,6 +10,8 @@ folder whose name starts with ``_`` is the implementation, laid out in layers (`
 """
 
 import torch
+from torch.optim import optimizer as _optimizer
+from torch.utils import _foreach_utils
 
 from . import checkpoint, kernels, sbp
 from ._api import (
@@ -117,5 +119,12 @@ torch.Tensor.to_global = to_global
 # (a plain zero gradient for a compiled program's unused global output becomes a global one)
 torch.Tensor.__coerce_same_metadata_as_tangent__ = plain_tangent_as_global
 torch.nn.Module.to_global = module_to_global
+# torch's optimizers and gradient clipping choose their foreach paths (a few ops over all parameters, where the
+# per-tensor paths issue about ten per parameter) by default only for the tensor types these lists name, as
+# DTensor adds itself to them (private lists: their names are the same from torch 2.11 to 2.13)
+for _types in (_optimizer._foreach_supported_types, _foreach_utils._foreach_supported_types):
+    if GlobalTensor not in _types:
+        _types.append(GlobalTensor)
+del _types
 GlobalTensor.to_dtensor = to_dtensor
 torch.Tensor.is_global = property(lambda self: isinstance(self, GlobalTensor), doc="Whether this is a global tensor.")

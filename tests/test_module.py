@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import copy
+from unittest import mock
 
 import pytest
 import torch
 from torch import nn
+from torch.optim import optimizer as torch_optimizer
+from torch.utils import _foreach_utils
 
 import sbp_torch as st
 from sbp_torch import _comm as comm
@@ -21,6 +24,21 @@ OPTIMIZERS = {
     "sgd": lambda ps, foreach: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=foreach),
     "adam": lambda ps, foreach: torch.optim.Adam(ps, lr=0.01, foreach=foreach),
     "adamw": lambda ps, foreach: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1, foreach=foreach),
+}
+
+
+# The rest of torch's optimizers, each with the options that take its most foreach ops
+MORE_OPTIMIZERS = {
+    "nadam": lambda ps, fe: torch.optim.NAdam(ps, lr=0.01, weight_decay=0.1, decoupled_weight_decay=True, foreach=fe),
+    "radam": lambda ps, fe: torch.optim.RAdam(ps, lr=0.01, weight_decay=0.1, foreach=fe),
+    "adamax": lambda ps, fe: torch.optim.Adamax(ps, lr=0.01, weight_decay=0.1, foreach=fe),
+    "asgd": lambda ps, fe: torch.optim.ASGD(ps, lr=0.01, weight_decay=0.1, foreach=fe),
+    "rprop": lambda ps, fe: torch.optim.Rprop(ps, lr=0.01, foreach=fe),
+    "adagrad": lambda ps, fe: torch.optim.Adagrad(ps, lr=0.1, weight_decay=0.1, foreach=fe),
+    "adadelta": lambda ps, fe: torch.optim.Adadelta(ps, lr=1.0, weight_decay=0.1, foreach=fe),
+    "rmsprop": lambda ps, fe: torch.optim.RMSprop(ps, lr=0.01, momentum=0.9, centered=True, foreach=fe),
+    "amsgrad": lambda ps, fe: torch.optim.Adam(ps, lr=0.01, amsgrad=True, foreach=fe),
+    "nesterov": lambda ps, fe: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.1, foreach=fe),
 }
 
 
@@ -72,6 +90,32 @@ def _compare_training(plan, input_sbp, optimizer_name, foreach, mesh, bucket_mb=
 @pytest.mark.parametrize("foreach", [False, True])
 def test_data_parallel_training_matches_one_process(optimizer_name, foreach):
     run_on_world(3, _compare_training, broadcast, split(0), optimizer_name, foreach, [0, 1, 2])
+
+
+def _every_optimizer() -> None:
+    """Each optimizer of ``MORE_OPTIMIZERS``, foreach and per tensor, on a tensor-parallel model with uneven parts,
+    against the per-tensor optimizer on one process; and torch's defaults pick the foreach paths for global tensors
+    wherever they pick them for plain ones."""
+    p = st.placement("cpu", [0, 1, 2])
+    plan = {"0.weight": split(0), "0.bias": split(0), "2.weight": split(1)}  # 10 rows or columns over 3 ranks
+    for name, make in MORE_OPTIMIZERS.items():
+        reference = _mlp()
+        want = _train(reference, _batches(), make(reference.parameters(), False))
+        for foreach in (False, True):
+            model = _mlp().to_global(p, plan)
+            got = _train(model, _batches(), make(model.parameters(), foreach), lambda t: t.to_global(p, broadcast))
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6, msg=name)
+            for a, b in zip(reference.parameters(), model.parameters()):
+                torch.testing.assert_close(b.full_tensor(), a.detach(), rtol=1e-5, atol=1e-6, msg=name)
+    params, grads = list(model.parameters()), [b.grad for b in model.parameters()]
+    # (on this CPU machine torch defaults to foreach optimizers only where it would on a GPU: pretend it is one)
+    with mock.patch.object(torch_optimizer, "_get_foreach_kernels_supported_devices", lambda: ["cpu"]):
+        assert torch_optimizer._default_to_fused_or_foreach(params, False) == (False, True)
+    assert _foreach_utils._has_foreach_support(grads, torch.device("cpu"))  # (clip_grad_norm_'s)
+
+
+def test_every_optimizer_of_torch_with_and_without_foreach_matches_one_process():
+    run_on_world(3, _every_optimizer)
 
 
 def test_tensor_parallel_plan_by_patterns():
