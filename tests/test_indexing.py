@@ -48,6 +48,12 @@ def _accumulate(x, i, v):
     return x.index_put((i,), v, accumulate=True)
 
 
+def _under_mask(x, mask):
+    y = x.clone()
+    y[mask] = 0.5
+    return y
+
+
 def cases_1d() -> list:
     """(name, fn, inputs, SBP per input, expected output SBP)."""
     x, src = _x(5, 7, 3), _x(5, 4, 3, seed=1)
@@ -81,6 +87,8 @@ def cases_1d() -> list:
         ("index_put number", lambda a, i: _put(a, i, 1.5), [x, rows], [S(2), B], S(2)),
         ("index_put accumulate", _accumulate, [x, repeated_rows, _x(7, 3, seed=5)], [S(2), B, S(1)], S(2)),
         ("index_put partial", _accumulate, [x, repeated_rows, _x(4, 7, 3, seed=6)], [P, B, P], P),
+        ("index_put one value under a mask", _under_mask, [x, x[..., 0] > 0], [S(1), S(1)], S(1)),
+        ("index_put one value under a mask of fewer dims", _under_mask, [x, x[..., 0] > 0], [S(2), B], S(2)),
     ]
 
 
@@ -92,6 +100,7 @@ def cases_mesh() -> list:
         ("index_select split index", lambda a, i: a.index_select(1, i), [x, idx], [(S(0), B), (B, S(0))], (S(0), S(1))),
         ("index_add", lambda a, i, s: a.index_add(1, i, s), [x, idx, src], [(S(0), P), (B, B), (S(0), P)], (S(0), P)),
         ("index", lambda a, i: a[:, i], [x, idx], [(S(2), B), (B, S(0))], (S(2), S(1))),
+        ("index_put one value under a mask", _under_mask, [x, x > 0], [(S(0), S(2)), (S(0), S(2))], (S(0), S(2))),
     ]
 
 

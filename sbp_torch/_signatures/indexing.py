@@ -12,9 +12,13 @@ Index values are absolute positions along the indexed dim, so:
   stays partial (sum, max and min for selections and overwrites; only sum where values are added).
 
 The indexed dim itself cannot be split: a rank would have to resolve positions held by others, which the
-boxing of the inputs does instead. Ops whose output shape depends on the data (``masked_select``,
-``nonzero``, ``unique``, boolean-mask indexing) cannot run on meta tensors and take the broadcast fallback.
+boxing of the inputs does instead; but one value written through a boolean mask (``x[x < 0] = 0``) lands where
+each rank's part of the mask holds, so the data and the mask may be split alike. Ops whose output shape depends on
+the data (``masked_select``, ``nonzero``, ``unique``, reading through a boolean mask) cannot run on meta tensors
+and take the broadcast fallback.
 """
+
+import math
 
 import torch
 
@@ -91,6 +95,18 @@ def _masks(indices: list) -> bool:
     return any(t is not None and t.dtype in (torch.bool, torch.uint8) for t in indices)
 
 
+def _one_value_under_a_mask(x: TensorInfo, indices: list, values: TensorInfo) -> list[Signature]:
+    """``x[mask] = v`` of one value through one mask over ``x``'s leading dims: each rank writes the value where its
+    own part of the mask holds, whichever dim splits ``x``, the mask split alike where it covers that dim. (Several
+    values go to the masked positions in their order over the whole tensor, which no rank alone knows.)"""
+    if len(indices) != 1 or values is None or math.prod(values.shape) != 1:
+        return []
+    mask = indices[0]
+    if mask.ndim > x.ndim or tuple(mask.shape) != tuple(x.shape[: mask.ndim]):
+        return []
+    return [sig(S(d), self=S(d), indices=(S(d) if d < mask.ndim else B,), values=B) for d in range(x.ndim)]
+
+
 @register(aten.index.Tensor)
 def index(call: OpCall) -> list[Signature]:
     x, indices = call["self"], list(call["indices"])
@@ -120,7 +136,7 @@ def index_put(call: OpCall) -> list[Signature]:
     if not accumulate:  # the same values written on every rank: their max and min are themselves
         passing += [sig(s, self=s, indices=B, values=B) for s in (P_MAX, P_MIN)]
     if _masks(indices):
-        return passing
+        return _one_value_under_a_mask(x, indices, values) + passing
     kept, start, index_shape = index_result_dims(x.ndim, indices)
     result_shape = [0] * (x.ndim - len([t for t in indices if t is not None]) + len(index_shape))
     for d, e in kept.items():
