@@ -55,12 +55,22 @@ def test_a_plan_covers_every_parameter_and_every_mesh_and_saves_as_json(world, t
 
 
 def test_a_tensor_parallel_mesh_splits_the_blocks_linears_in_pairs():
-    """On a placement given as 1 x 4 (tensor only), the blocks' linears are split, columns feeding rows."""
-    plan = planner.plan(_model(), _batch(8), st.placement("cpu", [[0, 1, 2, 3]]))
-    assert plan.tensor_axis is not None
-    first, second = plan.parameters["blocks.0.mlp.0.weight"], plan.parameters["blocks.0.mlp.2.weight"]
-    assert (first, second) in {("B, S(0)", "B, S(1)"), ("B, B", "B, B")}
-    assert plan.parameters["blocks.1.mlp.0.weight"] == first  # repeated blocks share one decision
+    """On a placement given as 1 x 4 (tensor only) the plan keeps that mesh; with half the memory its first plan
+    needs, the blocks' linears are split, columns feeding rows, alike in every block."""
+    placement = st.placement("cpu", [[0, 1, 2, 3]])
+    free = planner.plan(_model(), _batch(8), placement)
+    assert free.mesh == (1, 4) and (free.data_axis, free.tensor_axis) == (0, 1)
+    plan = planner.plan(_model(), _batch(8), placement, memory_per_rank=0.5 * free.predicted.memory_bytes)
+    assert plan.mesh == (1, 4)
+    for block in range(3):
+        layouts = {name: plan.parameters[f"blocks.{block}.{name}.weight"] for name in ("mlp.0", "mlp.2", "attn.out")}
+        layouts.update({name: plan.parameters[f"blocks.{block}.attn.{name}.weight"] for name in "qkv"})
+        assert layouts == {
+            "mlp.0": "B, S(0)",
+            "mlp.2": "B, S(1)",
+            "attn.out": "B, S(1)",
+            **dict.fromkeys("qkv", "B, S(0)"),
+        }
 
 
 def test_memory_limit_is_met_or_refused_with_the_smallest_found():

@@ -21,7 +21,7 @@ from .._tensor import GlobalTensor
 from ._costing import Costing, choose, search_group
 from ._costs import CPU_GLOO, CostModel
 from ._estimate import OPTIMIZER_STATES, Estimate, step_estimate
-from ._meshes import meshes_for, planning_world
+from ._meshes import Mesh, meshes_for, planning_world
 from ._plan import Plan, Prediction, describe_mesh, sbp_text
 from ._structure import groups_of, parameter_layouts
 from ._tracer import Tracer
@@ -74,8 +74,9 @@ def plan(
         raise ValueError("plan takes a model that is not laid out yet: plan first, then model.to_global(plan)")
     if isinstance(world, Placement):
         size = math.prod(world.shape)
-        meshes = [m for m in meshes_for(size) if m.shape == tuple(world.shape)] if world.ndim == 2 else None
-        meshes = meshes or [m for m in meshes_for(size) if len(m.shape) == world.ndim]
+        meshes = [m for m in meshes_for(size) if len(m.shape) == world.ndim]
+        if world.ndim == 2:  # (its shape, data over tensor, even where an axis has one rank)
+            meshes = [Mesh(tuple(world.shape), 0, 1)]
     else:
         size, meshes = int(world), meshes_for(int(world))
     rows = [t.shape[0] for t in torch.utils._pytree.tree_flatten(example_batch)[0] if isinstance(t, torch.Tensor)]
