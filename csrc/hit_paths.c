@@ -77,6 +77,8 @@ static PyObject *key_of(PyObject *value, int is_scalar) {
         Py_INCREF(type);
         return (PyObject *)type;
     }
+    /* (1, 1.0, True and 1+0j are equal keys: their results' dtypes differ) */
+    if (PyFloat_Check(value) || PyBool_Check(value) || PyComplex_Check(value)) return PyTuple_Pack(2, type, value);
     Py_INCREF(value);
     return value;
 }

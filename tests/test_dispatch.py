@@ -559,3 +559,37 @@ def test_the_c_hit_path_answers_as_the_python_one():
                 torch.testing.assert_close(b, a, rtol=0, atol=0)
         assert counts["c"] == counts["python"]
         assert entered == {"python": 3, "c": 0}
+
+
+def earlier_calls_body():
+    """Calls that an earlier call's cache entry or learnt shortcut must not answer, under both dispatch handlers:
+    numbers equal in value but not in type (``1``, ``1.0``, ``True``, ``1+0j``: their results' dtypes differ), and a
+    plain index once indexing has been learnt to give views."""
+    from sbp_torch._dispatch import _dispatcher, _native
+    from sbp_torch._tensor import GlobalTensor
+
+    p = st.placement("cpu", [0, 1])
+    ints = torch.arange(5).to_global(p, broadcast).to_global(sbp=split(0))
+    bools = (torch.arange(5) % 2 == 0).to_global(p, broadcast)
+    pairs = [("x + 1", "x + 1.0"), ("x * 1", "x * 1.0"), ("x.clamp(min=0)", "x.clamp(min=0.0)")]
+    pairs += [("b + True", "b + 1"), ("x + 1", "x + (1+0j)")]
+    for handler in (_dispatcher.torch_dispatch, _native.torch_dispatch):
+        GlobalTensor.__torch_dispatch__ = classmethod(handler)
+        try:
+            for first, second in pairs:
+                st.cache_clear()
+                for expression in (first, first, second, second):  # (each a miss, a hit or a learnt local call)
+                    got = eval(expression, {"x": ints, "b": bools})
+                    want = eval(expression, {"x": ints.full_tensor(), "b": bools.full_tensor()})
+                    assert got.dtype == got.to_local().dtype == want.dtype, (first, expression, got.dtype)
+                    torch.testing.assert_close(got.full_tensor(), want, rtol=0, atol=0)
+        finally:
+            GlobalTensor.__torch_dispatch__ = classmethod(_native.torch_dispatch)
+    x = torch.arange(4.0).to_global(p, broadcast)
+    x[0], x[0]  # (a view, seen twice: indexing is learnt to take the dispatch path)
+    with pytest.raises(st.MixedTensorError):
+        x[torch.tensor([0, 2])]
+
+
+def test_calls_that_an_earlier_call_must_not_answer():
+    run_on_world(2, earlier_calls_body)

@@ -23,13 +23,16 @@ def _key_of(value, is_scalar: bool):
         return ("tensor", tuple(value.shape), value.dtype, value.device.type)
     if is_scalar and isinstance(value, (bool, int, float, complex)):
         return type(value)
+    if isinstance(value, (float, bool, complex)):  # (1, 1.0, True and 1+0j are equal keys: their results' dtypes differ)
+        return (type(value), value)
     return value
 
 
 def call_key(func, schema: OpSchema, args, kwargs) -> tuple:
     """The call's cache key: the op by id (an entry keeps the op to check it), global tensors by metadata, plain
     tensors by shape, dtype and device, Scalar-typed numbers that the op's rule does not read by type (a changing
-    learning rate keys alike), the rest by value. It may be unhashable (a slice, say): lookups catch that."""
+    learning rate keys alike), other floats, bools and complex numbers by type and value, the rest by value. It may
+    be unhashable (a slice, say): lookups catch that."""
     positions = schema.scalar_positions
     key = (id(func), *[_key_of(a, i in positions) for i, a in enumerate(args)])
     if kwargs:

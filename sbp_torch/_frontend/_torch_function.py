@@ -32,6 +32,8 @@ from ._plain_inputs import check_plain_inputs
 def torch_function(cls, func, types, args=(), kwargs=None):
     """``GlobalTensor.__torch_function__`` (see the module docstring)."""
     if func in DISPATCH_ONLY:
+        if len(args) > 1 or kwargs:  # (a getter takes its tensor alone: nothing plain to refuse)
+            check_plain_inputs(func, args, kwargs)
         return below_autograd(func, types, args, kwargs)
     if _EAGER is not None and not torch.compiler.is_compiling():  # (Dynamo, tracing this, reads True)
         result = without_torch_function(_EAGER, types, (func, types, args, kwargs))
