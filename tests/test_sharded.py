@@ -137,6 +137,33 @@ def test_mixed_precision_gathers_in_bfloat16_and_keeps_float32_state():
         torch.testing.assert_close(torch.tensor(r["got"]), torch.tensor(r["want"]), rtol=3e-2, atol=1e-2)
 
 
+def _frozen_job():
+    """Two parameters frozen after the first step and unfrozen after the third, in one process and sharded."""
+    p = st.placement.all("cpu")
+    reference = Blocks()
+    model = copy.deepcopy(reference).to_global(p, broadcast, shard=0)
+    layout = lambda t: t.to_global(p, broadcast).to_global(sbp=split(0))  # noqa: E731
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=0.01) for m in (reference, model)]
+    grads_while_frozen = []
+    for step, (x, y) in enumerate(_batches(5)):
+        for m in (reference, model):
+            for q in (m.blocks[0][0].weight, m.head.bias):
+                q.requires_grad_(step not in (1, 2))
+        for m, optimizer, to_input in zip((reference, model), optimizers, (lambda t: t, layout)):
+            nn.functional.mse_loss(m(to_input(x)), to_input(y)).backward()
+            if m is model and step in (1, 2):
+                grads_while_frozen += [m.blocks[0][0].weight.grad, m.head.bias.grad]
+            optimizer.step()
+            optimizer.zero_grad()
+        for a, b in zip(reference.parameters(), model.parameters()):
+            torch.testing.assert_close(b.full_tensor(), a.detach(), rtol=1e-5, atol=1e-6, msg=f"step {step}")
+    assert grads_while_frozen == [None] * 4
+
+
+def test_a_frozen_parameter_is_neither_given_a_gradient_nor_updated():
+    run_on_world(3, _frozen_job)
+
+
 def _gpt_2x2_job(checkpointing: bool, shard: int | None = 0):
     import gpt
 

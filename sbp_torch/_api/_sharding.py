@@ -169,7 +169,10 @@ class _GatherForUse(torch.autograd.Function):
     def forward(ctx, sharded, unit, *stored):
         ctx.sharded, ctx.unit = sharded, unit
         ctx.set_materialize_grads(False)  # a copy no gradient reached gets none, not a tensor of zeros
-        return tuple(GlobalTensor(p.full, p.compute) for p in unit.params)
+        copies = tuple(GlobalTensor(p.full, p.compute) for p in unit.params)
+        frozen = [copy for copy, wanted in zip(copies, ctx.needs_input_grad[2:]) if not wanted]
+        ctx.mark_non_differentiable(*frozen)  # (a frozen parameter's copy takes no gradient either)
+        return copies
 
     @staticmethod
     def backward(ctx, *grads):
@@ -243,7 +246,7 @@ class ShardedModel:
         # A forward recomputed inside backward (activation checkpointing) keeps its copies: the recomputed
         # tensors saved for the rest of this backward lie in them; the unit's gradient reduction frees them.
         # The root's copies are kept for the backward that follows at once (as FSDP2 keeps its root's).
-        keep = unit is self.root_unit and torch.is_grad_enabled() and unit.params[0].stored.requires_grad
+        keep = unit is self.root_unit and torch.is_grad_enabled() and any(p.stored.requires_grad for p in unit.params)
         if not _in_backward() and not keep:
             unit.free()
 
