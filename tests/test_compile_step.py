@@ -562,8 +562,9 @@ def test_a_refusal_on_one_rank_reaches_every_rank():
 
 
 def _changed_on_rank_1(change: str):
-    """A data-parallel step run twice as a program; then rank 1 alone changes what it is traced for (``eval``), or
-    its program raises (``raises``), at the next call."""
+    """A data-parallel step that trains, or only evaluates in eval mode, run as a program; then rank 1 alone
+    changes: it puts the model in eval mode, to be traced for (``eval``) or after both ranks traced for it
+    (``switch``), or its program raises (``raises``); or the ranks made two steps in different orders (``order``)."""
     placement = st.placement("cpu", [0, 1])
     model = MLP(4, 4).to_global(placement, B)
     optimizer = _adamw(model)
@@ -578,34 +579,51 @@ def _changed_on_rank_1(change: str):
 
         return run
 
-    @st.compile_step(model=model, optimizer=optimizer, backend=backend)
-    def step(x):
+    def train(x):
         loss = model(x.to_global(placement, (B,), check_meta=False).to_global(sbp=(S(0),)))
-        loss.backward()
-        optimizer.step()
+        if model.training:
+            loss.backward()
+            optimizer.step()
         return loss
 
-    for _ in range(3):
+    def other(x):
+        return train(x)
+
+    made = [train, other] if change != "order" or dist.get_rank() == 0 else [other, train]
+    step = {fn: st.compile_step(fn, model=model, optimizer=optimizer, backend=backend) for fn in made}[train]
+    modes = [True, True, True] + ([False, True] if change == "switch" else [])  # (both ranks trace for eval)
+    for training in modes:
+        model.train(training)
         step(torch.ones(6, 4))
-    if change == "eval" and dist.get_rank() == 1:
+    if change in ("eval", "switch") and dist.get_rank() == 1:
         model.eval()
     step(torch.ones(6, 4))
 
 
-@pytest.mark.parametrize("change", ["eval", "raises"])
+@pytest.mark.parametrize("change", ["eval", "switch", "raises", "order"])
 def test_a_change_or_failure_on_one_rank_is_an_error_on_every_rank(change):
-    # without the ranks' word on each call, rank 1 would trace alone, or fail alone, while rank 0 waits in its
-    # program's collectives, both until the timeout (60 s here; a missing answer within 30 s fails the test)
+    # without the ranks' posts at each call, rank 1 would trace alone, or fail alone, while rank 0 waits in its
+    # program's collectives, both until the timeout (60 s here; a missing answer within 30 s fails the test); or
+    # their programs' collectives would pair with others' (a wrong loss, then a wait)
     from world import RankFailure
 
     with pytest.raises(RankFailure) as caught:
         run_on_world(2, _changed_on_rank_1, change, _timeout=30)
     failures = caught.value.failures
     assert caught.value.missing == [] and sorted(failures) == [0, 1], caught.value
+    if change == "order":  # (each rank finds it, at its first trace)
+        for rank in (0, 1):
+            assert "RanksDisagree: compile_step, step #" in failures[rank]
+            assert "the ranks made their compiled steps in different orders (rank 0: step #" in failures[rank]
+        return
     if change == "eval":
         why = "RanksDisagree: compile_step, step #"
-        assert why in failures[1] and "traces a new program at call #2 while rank(s) [0] run" in failures[1]
+        assert why in failures[1] and "traces a new program at call #4 while rank(s) [0] run" in failures[1]
         assert "On this rank a module's training flag changed." in failures[1]
+    elif change == "switch":
+        why = "RanksDisagree: compile_step, step #"
+        assert why in failures[1] and "at call #6 rank(s) [0] ran another program than this rank's" in failures[1]
+        assert "its key differs from this one's in a module's training flag." in failures[1]
     else:
         why = "ValueError in compile_step's program (step #"
         assert "ValueError: boom in rank 1's program" in failures[1]

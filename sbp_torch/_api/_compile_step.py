@@ -134,6 +134,7 @@ class _Program:
     results: pytree.TreeSpec
     result_forms: list  # per result leaf: a GlobalTensor's metadata, "plain", or ("constant", value)
     writes: list  # (holder, form): holders given a new value per call (no tensor held it on entry to copy into)
+    number: int  # the step's traces when it was traced: the same program on every rank has the same number
 
 
 class CompiledStep:
@@ -149,7 +150,10 @@ class CompiledStep:
         self.peers_in_key = False  # whether a program was traced on metadata agreed with the other ranks
         self.number = next(_MADE)
         self.name = f"step #{self.number} ({getattr(fn, '__qualname__', type(fn).__name__)})"
-        self.calls = 0  # calls after the first, eager one: counted alike on every rank
+        self.calls = 0  # calls so far, the first (eager) one included: counted alike on every rank
+        self.last_run = 0  # the number of the program the last call ran
+        if dist.get_world_size() > 1:
+            comm.announce_step(self.number, self.name)
 
     # -- what the state is ---------------------------------------------------------------------------------------
     def _collect(self) -> None:
@@ -235,7 +239,7 @@ class CompiledStep:
     def __call__(self, *args, **kwargs):
         if not self.called:  # the optimizer's state and the gradients appear here, before any trace
             result = self.fn(*args, **kwargs)
-            self.called = True
+            self.called, self.calls = True, 1
             self._collect()
             return result
         if not kwargs and all(isinstance(a, torch.Tensor) for a in args):  # (the common call, without pytree)
@@ -260,11 +264,11 @@ class CompiledStep:
         program = self.programs.get(key)
         if program is not None and not _same_state(held, program):
             program = None
-        shared, call = dist.get_world_size() > 1, self.calls
         self.calls += 1
+        shared, call, held_one = dist.get_world_size() > 1, self.calls, program is not None
         if shared:
-            comm.announce_call(self.number, call, program is None)
-        if program is None:
+            comm.announce_call(self.number, call, program.number if held_one else 0)
+        if not held_one:
             if shared:
                 self._refuse_a_lone_trace(key, call)
             holders = self._holders()
@@ -285,6 +289,9 @@ class CompiledStep:
             if shared:  # this rank's failure: posted, its groups closed, so that no rank waits for it
                 comm.local_failure(f"compile_step's program ({self.name})", err)
             raise
+        if shared and held_one and program.number != self.last_run:  # (see _refuse_other_programs)
+            self._refuse_other_programs(key, program, call)
+        self.last_run = program.number
         count = len(program.result_forms)
         values = iter(outputs[count:])
         for holder, form in program.writes:
@@ -319,6 +326,29 @@ class CompiledStep:
             f"compile_step, {self.name}: this rank traces a new program at call #{call} while rank(s) {running} run "
             f"one they traced before. On this rank {_what_changed(key, self.programs)}. What a program is traced "
             "for must change on every rank alike (docs/compile.md)"
+        )
+        comm.close_world(f"RanksDisagree: {error}", error)
+        raise error
+
+    def _refuse_other_programs(self, key, program: _Program, call: int) -> None:
+        """Raise on this rank, its world closed, where the ranks it ran with ran other programs than its own at this
+        call (their collectives paired with others: wrong values, or a wait). Asked by a rank that switched to
+        another held program (ranks tracing at a call trace together): a rank that switches alone finds the others
+        on their old program, and closing its world makes them raise at their next collective with it, so the
+        ranks that did not switch need not ask, and a step that runs one program after another asks nothing."""
+        others = {r: n for r, n in comm.programs_run(self.number, call).items() if n != program.number}
+        if not others:
+            return
+        number = next(iter(others.values()))
+        if number == 0:
+            how = "traced a new program there"
+        else:
+            theirs = next((k for k, p in self.programs.items() if p.number == number), None)
+            how = f"its key differs from this one's in {_differences(key, theirs)}" if theirs else "not held here"
+        error = comm.RanksDisagree(
+            f"compile_step, {self.name}: at call #{call} rank(s) {sorted(others)} ran another program than this "
+            f"rank's (#{number} there, #{program.number} here): {how}. What a program is traced for must change on "
+            "every rank alike (docs/compile.md)"
         )
         comm.close_world(f"RanksDisagree: {error}", error)
         raise error
@@ -376,7 +406,9 @@ class CompiledStep:
             key = (*key[:-1], self._peer_arguments(key[1]))  # (what was agreed: the parts the ranks hold now)
         forms = [_form_of(v) for v in held]
         state, order = [_part(v) for _, v in present], [h for h, _ in present]
-        compiled = _Program(run, held, forms, state, order, outcome["results"], outcome["forms"], outcome["writes"])
+        compiled = _Program(
+            run, held, forms, state, order, outcome["results"], outcome["forms"], outcome["writes"], self.traces
+        )
         self.programs[key] = compiled
         self.programs.move_to_end(key)
         while len(self.programs) > _KEYS_KEPT:
@@ -396,10 +428,15 @@ def _what_changed(key: tuple, programs: OrderedDict) -> str:
         return "the forms of the tensors holding the state (parameters, gradients, buffers, optimizer state) changed"
     if not programs:
         return "no program is held: reset() was called"
-    changed = [part for part, new, old in zip(_KEY_PARTS, key, next(reversed(programs))) if new != old]
-    if not changed:
+    changed = _differences(key, next(reversed(programs)))
+    if changed is None:
         return "the program for this key was dropped: reset() was called, or the step met more keys than it keeps"
-    return " and ".join(changed) + " changed"
+    return changed + " changed"
+
+
+def _differences(key: tuple, other: tuple) -> str | None:
+    """The parts in which two keys of programs differ, in words (None: in none)."""
+    return " and ".join(part for part, a, b in zip(_KEY_PARTS, key, other) if a != b) or None
 
 
 def _refuse_before_tracing(traces: int, arg_leaves: list) -> None:
@@ -626,8 +663,9 @@ def compile_step(fn=None, *, model, optimizer=None, backend="inductor"):
       program's collectives are checked to be the same on every rank when it is traced.
     * Once a program lays out parts by what the ranks agreed of them, every rank's non-global arguments (shapes,
       values) are exchanged per call and keyed: all ranks trace when one rank's change. The rest must change alike:
-      a rank that would trace where the others run a program raises ``RanksDisagree`` at once, as does every rank
-      (its world is closed, docs/faults.md); so where a program raises on one rank.
+      a rank that would trace where the others run a program, or that switched to a program other than theirs,
+      raises ``RanksDisagree`` at once, as does every rank (its world is closed, docs/faults.md); so where a
+      program raises on one rank.
     * Parameters, gradients, buffers and optimizer state are updated in place; gradients stay in the tensors that
       held them on entry, as with ``zero_grad(set_to_none=False)`` (entered with none, after ``zero_grad()``
       outside the step, the step gives them new tensors each call). State held by other tensors of the same

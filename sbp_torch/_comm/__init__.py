@@ -19,4 +19,4 @@ from ._compiled import RanksDisagree, check_program, compiling, gather_call_fact
 from ._faults import CollectiveError, caller_stops_one_rank_failures, close_world, collective_failed, posted_failures
 from ._groups import AxisGroup, axis_group, ensure_groups, forget_groups
 from ._primitives import local_failure, notify, observing, traced
-from ._step_calls import announce_call, ranks_running
+from ._step_calls import announce_call, announce_step, programs_run, ranks_running

@@ -23,7 +23,7 @@ def _key_of(value, is_scalar: bool):
         return ("tensor", tuple(value.shape), value.dtype, value.device.type)
     if is_scalar and isinstance(value, (bool, int, float, complex)):
         return type(value)
-    if isinstance(value, (float, bool, complex)):  # (1, 1.0, True and 1+0j are equal keys: their results' dtypes differ)
+    if isinstance(value, (float, bool, complex)):  # (1, 1.0, True and 1+0j: equal keys, results of other dtypes)
         return (type(value), value)
     return value
 
