@@ -91,6 +91,9 @@ def test_rule_agrees_with_tracing(case, shapes, dtypes):
         assert ruled is None, f"{func} {args}: the op raises but the rule answered {ruled}"
     elif ruled is not None:
         assert (ruled[0].shape, ruled[0].dtype) == real, (func, shapes[:n], dtypes[:n])
+    else:  # (it may decline what it cannot know, but not the common calls: those would all be traced)
+        floats = {t.dtype for t in tensors if t.dtype != torch.bool} <= {torch.float32, torch.float64}
+        assert not floats, f"{func} {args}: the rule declined a call on float tensors"
 
 
 @pytest.mark.parametrize(
