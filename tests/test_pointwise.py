@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st_
 
 import sbp_torch as st
@@ -106,20 +106,24 @@ def random_binary(n, a_shape, b_shape, a_sbp, b_sbp, op_name, seed):
 
 @st_.composite
 def _binary_case(draw):
-    """Two broadcastable shapes (mostly uneven sizes) with a split, broadcast or partial-sum layout each."""
+    """Two broadcastable shapes (mostly uneven sizes) with a split, broadcast, partial-sum or partial-max layout
+    each."""
     ndim = draw(st_.integers(1, 3))
     out = [draw(st_.integers(1, 7)) for _ in range(ndim)]
     b_ndim = draw(st_.integers(1, ndim))
     b_shape = [1 if draw(st_.booleans()) else n for n in out[ndim - b_ndim :]]
-    layouts = [S(d) for d in range(ndim)] + [B, P]
+    layouts = [S(d) for d in range(ndim)] + [B, P, PMAX]
     a_sbp = draw(st_.sampled_from(layouts))
-    b_sbp = draw(st_.sampled_from([S(d) for d in range(b_ndim)] + [B, P]))
+    b_sbp = draw(st_.sampled_from([S(d) for d in range(b_ndim)] + [B, P, PMAX]))
     return tuple(out), tuple(b_shape), a_sbp, b_sbp
 
 
 @pytest.mark.gloo
 @settings(max_examples=25)
 @given(case=_binary_case(), n=st_.sampled_from([2, 3]), op_name=st_.sampled_from(["add", "mul", "maximum", "hypot"]))
+@example(case=((5, 3), (3,), P, B), n=3, op_name="maximum")  # (the ops that must box a partial input)
+@example(case=((5, 3), (5, 1), S(0), PMAX), n=2, op_name="hypot")
+@example(case=((4, 7), (7,), PMAX, P), n=3, op_name="maximum")
 def test_random_binary_layouts(case, n, op_name):
     """Any pair of layouts, partial ones included, gives torch's values and gradients (boxing where needed)."""
     a_shape, b_shape, a_sbp, b_sbp = case
