@@ -509,17 +509,17 @@ def native_hit_body():
     x = torch.randn(5, 4, generator=gen).to_global(p, broadcast).to_global(sbp=split(0))
     w = torch.randn(4, generator=gen).to_global(p, broadcast).requires_grad_()
     cases = [
-        lambda: x + x,
-        lambda: x * 0.5,  # a Scalar: keyed by type
-        lambda: x * 2,  # the same op and layout, an int Scalar
-        lambda: torch.relu(x - 1),
-        lambda: x.sum(dim=[0]),  # a list argument
-        lambda: (x * w).detach(),  # detach, and a backward-recording op
-        lambda: x.add_(1).mul_(0.5),  # in place: returns its self
-        lambda: x.view(5, 2, 2),  # a view keeping the split: its plan reshapes the part, which C does itself
-        lambda: x.transpose(0, 1),  # a view with another local function: C hands it to Python
-        lambda: torch.cat([x, x * w], dim=1),  # a list argument: the op runs on the parts as they are
-        lambda: F.layer_norm(x, (4,), w, w),  # three outputs (native_layer_norm)
+        lambda x, w: x + x,
+        lambda x, w: x * 0.5,  # a Scalar: keyed by type
+        lambda x, w: x * 2,  # the same op and layout, an int Scalar
+        lambda x, w: torch.relu(x - 1),
+        lambda x, w: x.sum(dim=[0]),  # a list argument
+        lambda x, w: (x * w).detach(),  # detach, and a backward-recording op
+        lambda x, w: x.add_(1).mul_(0.5),  # in place: returns its self
+        lambda x, w: x.view(5, 2, 2),  # a view keeping the split: its plan reshapes the part, which C does itself
+        lambda x, w: x.transpose(0, 1),  # a view with another local function: C hands it to Python
+        lambda x, w: torch.cat([x, x * w], dim=1),  # a list argument: the op runs on the parts as they are
+        lambda x, w: F.layer_norm(x, (4,), w, w),  # three outputs (native_layer_norm)
     ]
     handlers = {"python": _dispatcher.torch_dispatch, "c": _native.torch_dispatch}
     results, counts, entered = {}, {}, {}
@@ -534,7 +534,7 @@ def native_hit_body():
         try:
             st.cache_clear()  # (the learnt local calls too: a call learnt by one handler would skip the other)
             x.copy_(torch.randn(5, 4, generator=torch.Generator().manual_seed(6)).to_global(p, broadcast))
-            results[name] = [[fn().full_tensor().detach() for _ in range(3)] for fn in cases]  # a miss, then hits
+            results[name] = [[fn(x, w).full_tensor().detach() for _ in range(3)] for fn in cases]  # a miss, hits
             counts[name] = CALLS.info()[:2]  # (hits, misses) of the call cache
             sys.setprofile(profiler)
             x * w  # a hit of a simple plan (w requires grad: not a local call)
@@ -545,18 +545,21 @@ def native_hit_body():
         finally:
             sys.setprofile(None)
             GlobalTensor.__torch_dispatch__ = classmethod(_native.torch_dispatch)
+    x, w = torch.randn(5, 4, generator=torch.Generator().manual_seed(6)), w.full_tensor().detach().requires_grad_()
+    results["plain"] = [[fn(x, w).detach().clone() for _ in range(3)] for fn in cases]  # (the same, plain)
     return NATIVE, results, counts, entered
 
 
 def test_the_c_hit_path_answers_as_the_python_one():
     """The dispatcher's hit path in C (``csrc/hit_paths.c``) is built, runs a cached simple plan, a view's plan and a
     plan with several outputs without entering Python's ``dispatch``, and gives the values and cache counts the
-    Python handler gives, call for call."""
+    Python handler gives, call for call; both give the plain ops' values."""
     for native, results, counts, entered in run_on_world(2, native_hit_body):
         assert native, "the C hit path is not built (setup.py builds it wherever a C compiler is)"
-        for want, got in zip(results["python"], results["c"]):
-            for a, b in zip(want, got):
+        for plain, want, got in zip(results["plain"], results["python"], results["c"]):
+            for p, a, b in zip(plain, want, got):
                 torch.testing.assert_close(b, a, rtol=0, atol=0)
+                torch.testing.assert_close(a, p)
         assert counts["c"] == counts["python"]
         assert entered == {"python": 3, "c": 0}
 
