@@ -150,3 +150,75 @@ def test_index_result_dims():
     assert index_result_dims(4, [None, i, i]) == ({0: 0, 3: 3}, 1, (2, 3))
     assert index_result_dims(4, [i, None, i]) == ({1: 2, 3: 3}, 0, (2, 3))
     assert index_result_dims(3, [i]) == ({1: 2, 2: 3}, 0, (2, 3))
+
+
+def _assign(x, index, value):
+    x[index] = value
+    return x
+
+
+def _assign_add(x, index):
+    x[index] += 1.5
+    return x
+
+
+def assignment_body(ranks):
+    """``x[index] = value`` whose index cuts a dim that ``x`` splits (a view of it would be a copy), against plain
+    torch: ints, slices with steps and negative ends, ``...`` and ``None``, numbers, global values broadcast into the
+    picked positions, and gradients to ``x``'s source and to the value; then in-place writes into such views
+    (augmented assignment, methods, views of views), which must reach ``x``."""
+    p = st.placement("cpu", ranks)
+    mesh = isinstance(ranks[0], list)
+    full = _x(5, 7, 3, seed=7)
+    cases = [
+        ((S(0),), slice(1, 3), 7.0),
+        ((S(0),), 1, 2.5),
+        ((S(1),), (-1, slice(2, 6, 2)), _x(2, 3, seed=8)),
+        ((S(2),), (Ellipsis, slice(1, None)), _x(2, seed=9)),
+        ((S(0),), (None, slice(0, 4), 3), _x(1, 4, 3, seed=10)),
+        ((S(1),), (slice(None), slice(-3, None)), _x(5, 1, 1, seed=11)),
+    ]
+    if mesh:
+        cases = [((S(0), S(1)), (slice(1, 4), 2), 3.0), ((B, S(2)), (Ellipsis, 0), _x(5, 7, seed=12))]
+    for sbp, index, value in cases:
+        source = full.clone().requires_grad_()
+        want = _assign(source * 1, index, value.requires_grad_() if isinstance(value, torch.Tensor) else value)
+        got_source = full.to_global(p, (B,) * len(sbp)).to_global(sbp=sbp).requires_grad_()
+        got_value = value
+        if isinstance(value, torch.Tensor):
+            got_value = value.detach().to_global(p, (B,) * len(sbp)).requires_grad_()
+        got = _assign(got_source * 1, index, got_value)
+        assert got.sbp == sbp, (index, got.sbp)
+        torch.testing.assert_close(got.full_tensor(), want, msg=str(index))
+        weights = _x(5, 7, 3, seed=13)
+        (want * weights).sum().backward()
+        (got * weights.to_global(p, (B,) * len(sbp))).sum().backward()
+        torch.testing.assert_close(got_source.grad.full_tensor(), source.grad, msg=str(index))
+        if isinstance(value, torch.Tensor):
+            torch.testing.assert_close(got_value.grad.full_tensor(), value.grad, msg=str(index))
+    layout = (S(0), S(1)) if mesh else (S(0),)
+    writes = [
+        lambda t: _assign_add(t, slice(None, None, 2)),
+        lambda t: t[1:3].add_(5),
+        lambda t: t[0].fill_(0),
+        lambda t: t[1:4].__setitem__(0, 2.0),  # (a write into a view of a view)
+        lambda t: t[..., 1:][2].mul_(3),  # (a view made from a copy, of a view of t)
+    ]
+    for k, write in enumerate(writes):
+        source = full.clone().requires_grad_()
+        got_source = full.to_global(p, (B,) * len(layout)).to_global(sbp=layout).requires_grad_()
+        want, got = source * 1, got_source * 1
+        write(want)
+        write(got)
+        assert got.sbp == layout
+        torch.testing.assert_close(got.full_tensor(), want, msg=f"write {k}")
+        weights = _x(5, 7, 3, seed=14)
+        (want * weights).sum().backward()
+        (got * weights.to_global(p, (B,) * len(layout))).sum().backward()
+        torch.testing.assert_close(got_source.grad.full_tensor(), source.grad, msg=f"write {k}")
+    return True
+
+
+@pytest.mark.parametrize("ranks", [[0, 1, 2], [[0, 1], [2, 3]]], ids=["3", "2x2"])
+def test_assignment_into_split_dims_writes_the_tensor(ranks):
+    assert all(run_on_world(4 if isinstance(ranks[0], list) else 3, assignment_body, ranks))

@@ -2,7 +2,9 @@
 
 1. getters (``shape``, ``grad``, ...) and functions known to return views go straight on, below autograd;
 2. a plain tensor with dims from user code beside global tensors raises, unless implicit broadcast is on
-   (``_plain_inputs.py``);
+   (``_plain_inputs.py``); an assignment ``x[index] = value`` whose index cuts a dim that ``x`` splits is written
+   with ``index_put_``, and ``x[index]`` is then a ``CopiedView`` that writes itself back after an in-place op
+   (``_assignment.py``);
 3. ``torch.matmul`` of batched global tensors becomes one ``aten.matmul`` (``_batched_matmul.py``), which
    torch would flatten in a way that loses a split of the heads dim; grouped-query attention on CUDA has its key
    and value heads repeated, so that it reaches a fused kernel rather than a flattening math path
@@ -20,6 +22,7 @@ import torch
 
 from .._comm import compiling
 from .._dispatch import native_local_calls
+from ._assignment import GETITEM, SETITEM, assign, copied_view, through_a_copy
 from ._batched_matmul import MATMUL_FUNCS, BatchedMatmul, applies
 from ._below_autograd import below_autograd, run_below_autograd, values_read, without_torch_function
 from ._gradient_boundary import at_uses
@@ -31,6 +34,8 @@ from ._plain_inputs import check_plain_inputs
 
 def torch_function(cls, func, types, args=(), kwargs=None):
     """``GlobalTensor.__torch_function__`` (see the module docstring)."""
+    if func is GETITEM and not compiling() and through_a_copy(*args[:2]):
+        return copied_view(below_autograd(func, types, args, kwargs), *args[:2])
     if func in DISPATCH_ONLY:
         if len(args) > 1 or kwargs:  # (a getter takes its tensor alone: nothing plain to refuse)
             check_plain_inputs(func, args, kwargs)
@@ -40,6 +45,8 @@ def torch_function(cls, func, types, args=(), kwargs=None):
         if result is not NOT_HANDLED:
             return result
     check_plain_inputs(func, args, kwargs)
+    if func is SETITEM and not compiling() and through_a_copy(*args[:2]):
+        return assign(*args)
     if func in MATMUL_FUNCS and applies(func, args, kwargs or {}):
         return BatchedMatmul.apply(*args)
     if func in SDPA_FUNCS and grouped_attention(func, args, kwargs or {}):
@@ -79,7 +86,7 @@ _NATIVE_LOCAL, _EAGER = (
         autocast=torch._C._is_any_autocast_enabled,
         grad_enabled=torch.is_grad_enabled,
         not_handled=NOT_HANDLED,
-        special=frozenset(MATMUL_FUNCS) | frozenset(SDPA_FUNCS),
+        special=frozenset(MATMUL_FUNCS) | frozenset(SDPA_FUNCS) | {SETITEM},
         compile_tls=_COMPILE_TLS,
     )
     if ENABLED and _COMPILE_TLS is not None
