@@ -30,8 +30,9 @@ def _batches(rows: int):
     return [(torch.randn(rows, WIDTH, generator=gen), torch.randn(rows, WIDTH, generator=gen)) for _ in range(STEPS)]
 
 
-def _reference(n_layers: int, rows: int):
+def _reference(n_layers: int, rows: int, frozen_first: bool = False):
     model = nn.Sequential(*_layers(n_layers))
+    model[0].requires_grad_(not frozen_first)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     losses = []
     for x, y in _batches(rows):
@@ -59,10 +60,13 @@ LAYOUTS = {
 SHARDED = {"sharded data parallel stages"}  # stages laid out with shard=0: parameters split, gathered on use
 
 
-def _pipelined(world: int, layout: str, schedule: str, micro_batches: int, rows: int, device: str = "cpu"):
+def _pipelined(
+    world: int, layout: str, schedule: str, micro_batches: int, rows: int, device: str = "cpu", frozen_first=False
+):
     ranks, plans, input_sbp, per_stage = LAYOUTS[layout]
     ranks = _stage_ranks(ranks, world)
     layers = _layers(len(ranks) * per_stage)
+    layers[0].requires_grad_(not frozen_first)
     stages = []
     for s, group in enumerate(ranks):
         stage = nn.Sequential(*(m for layer in layers[s * per_stage : (s + 1) * per_stage] for m in layer))
@@ -121,6 +125,17 @@ def test_matches_one_process(world, layout, schedule, micro_batches, rows):
                 assert peak <= p - stage <= p
             else:
                 assert peak == micro_batches
+
+
+@pytest.mark.gloo
+def test_a_first_stage_that_trains_nothing():
+    """The first layer frozen (fine-tuning the later ones): its stage has no gradient to pass back."""
+    results = run_on_world(2, _pipelined, 2, "one rank per stage", "1f1b", 4, 8, frozen_first=True)
+    want_losses, want_params = _reference(2, 8, frozen_first=True)
+    for losses, params, _, _ in results:
+        assert losses == pytest.approx(want_losses, rel=1e-5)
+        for i, got in params.items():
+            torch.testing.assert_close(got, want_params[i], rtol=1e-5, atol=1e-6)
 
 
 # ---- a parameter tied across stages ------------------------------------------------------------------------

@@ -307,7 +307,7 @@ class Pipeline:
             x, y = inputs[0]
             if last:
                 y.backward()
-            else:
+            elif y.requires_grad:  # (a stage that trains nothing on an input that takes no gradient: none to pass)
                 g = inputs[1].to_global(sbp=gradient_sbp(y.sbp))
                 torch.autograd.backward(y, g)
             if first:
