@@ -245,6 +245,52 @@ def test_a_mismatched_state_is_refused_on_every_rank_and_left_unchanged(change, 
         assert message is not None and expected in message
 
 
+def _optimizer_state_as_saved(path):
+    """An optimizer ends with state for the parameters the checkpoint holds state for, as plain torch's
+    ``load_state_dict`` leaves it: a fresh optimizer of a model with a parameter that took no gradient, and a
+    pipeline rolled back to a checkpoint (each rank's optimizer holds state for its own stage's parameters)."""
+    from sbp_torch.pipeline import Pipeline
+
+    p, me = st.placement("cpu", [0, 1]), dist.get_rank()
+
+    def made():
+        torch.manual_seed(0)
+        model = nn.ModuleDict({"used": nn.Linear(4, 4), "unused": nn.Linear(4, 4)}).to_global(p)
+        return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+    model, optimizer = made()
+    model["used"](st.ones(3, 4, placement=p, sbp=broadcast)).sum().backward()
+    optimizer.step()
+    st.checkpoint.save({"model": model, "optim": optimizer}, path + "/unused")
+    fresh, fresh_optimizer = made()
+    st.checkpoint.load({"model": fresh, "optim": fresh_optimizer}, path + "/unused")
+    assert len(fresh_optimizer.state) == len(optimizer.state) == 2
+    _assert_identical(st.full_state_dict(fresh_optimizer), st.full_state_dict(optimizer))
+    torch.manual_seed(0)
+    stages = [nn.Linear(4, 4).to_global(st.placement("cpu", [r])) for r in (0, 1)]
+    pipe = Pipeline(stages, nn.functional.mse_loss, 2, "1f1b")
+    optimizer = torch.optim.AdamW([q for stage in stages for q in stage.parameters()], lr=0.01)
+    x, y = torch.randn(4, 4, generator=torch.Generator().manual_seed(1)), torch.ones(4, 4)
+
+    def step():
+        optimizer.zero_grad()
+        pipe.step(x, y)
+        optimizer.step()
+        return [q.detach().to_local().clone() for q in stages[me].parameters()]
+
+    step()
+    st.checkpoint.save({"stages": nn.ModuleList(stages), "optim": optimizer}, path + "/pipeline")
+    after_save = step()  # (moments as saved give these values again)
+    step()
+    st.checkpoint.load({"stages": nn.ModuleList(stages), "optim": optimizer}, path + "/pipeline")
+    for got, want in zip(step(), after_save):
+        assert torch.equal(got, want)
+
+
+def test_an_optimizer_holds_state_for_the_parameters_the_checkpoint_does(tmp_path):
+    run_on_world(2, _optimizer_state_as_saved, str(tmp_path))
+
+
 def _extra_in_checkpoint(path):
     p = st.placement("cpu", [0, 1])
     st.checkpoint.save({"a": st.ones(3, placement=p, sbp=split(0)), "b": torch.ones(2)}, path)

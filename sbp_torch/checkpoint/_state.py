@@ -92,8 +92,10 @@ def save(state: dict, path: str | os.PathLike, *, sync_files: bool = True) -> No
 
 def load(state: dict, path: str | os.PathLike) -> None:
     """Load the checkpoint ``path`` into ``state`` in place, resharding to the layouts the state holds now
-    (another world size, placement, SBPs). Modules and optimizers in ``state`` get ``load_state_dict``; an
-    optimizer that has not stepped yet gets its state made first (zero moments in its parameters' layouts).
+    (another world size, placement, SBPs). Modules and optimizers in ``state`` get ``load_state_dict``. An
+    optimizer ends up with state for the parameters the checkpoint holds state for, as ``load_state_dict`` of
+    plain torch leaves it: state made first for those that have none here (zero moments in their layouts: a fresh
+    optimizer, a parameter that took no gradient yet, another pipeline stage's), and dropped for the others.
 
     Each rank reads only the rows of the stored boxes that its own parts need. If the checkpoint's keys, shapes
     or dtypes differ from the state's, raises ``CheckpointError`` on every rank, naming each difference, before
@@ -103,7 +105,12 @@ def load(state: dict, path: str | os.PathLike) -> None:
     except CheckpointError as err:  # missing, half written or corrupt metadata
         reader, failure = None, err
     _raise_everywhere(failure, f"loading {path}")
-    made = [value for value in state.values() if isinstance(value, torch.optim.Optimizer) and _make_state(value)]
+    stored = reader.metadata.state_dict_metadata
+    undo = [
+        _state_as_stored(value, _stored_parameters(key, stored))
+        for key, value in state.items()
+        if isinstance(value, torch.optim.Optimizer)
+    ]
     partial_targets = []
 
     def target(t: torch.Tensor) -> torch.Tensor:
@@ -128,8 +135,8 @@ def load(state: dict, path: str | os.PathLike) -> None:
     try:
         _raise_everywhere(failure, f"loading {path}")
     except CheckpointError:
-        for optimizer in made:
-            optimizer.state.clear()
+        for put_back in undo:
+            put_back()
         raise
     with torch.no_grad():
         for original, stand_in in partial_targets:
@@ -143,16 +150,40 @@ def load(state: dict, path: str | os.PathLike) -> None:
             state[key] = loaded[key]
 
 
-def _make_state(optimizer: torch.optim.Optimizer) -> bool:
-    """Give an optimizer that has not stepped its state, by one step with zero gradients and a learning rate
-    of 0 (parameters do not change); return whether it did. Existing gradients are kept."""
-    if optimizer.state:
-        return False
-    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+def _stored_parameters(key: str, stored) -> set[int]:
+    """The positions of the parameters whose state the checkpoint holds for the optimizer saved under ``key``."""
+    prefix = f"{key}.state."
+    return {int(name[len(prefix) :].split(".", 1)[0]) for name in stored if name.startswith(prefix)}
+
+
+def _state_as_stored(optimizer: torch.optim.Optimizer, positions: set[int]):
+    """Have ``optimizer`` hold state for the parameters at ``positions`` alone: the others' dropped, made for those
+    that have none. Returns what puts the state back as it was (a load that fails)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    wanted = {id(params[i]): params[i] for i in positions if i < len(params)}
+    dropped = {p: optimizer.state.pop(p) for p in list(optimizer.state) if id(p) not in wanted}
+    made = [p for p in wanted.values() if p not in optimizer.state]
+    if made:
+        _make_state(optimizer, made)
+
+    def put_back():
+        for p in made:
+            optimizer.state.pop(p, None)
+        optimizer.state.update(dropped)
+
+    return put_back
+
+
+def _make_state(optimizer: torch.optim.Optimizer, made: list) -> None:
+    """Give the parameters ``made`` of ``optimizer`` their state, by one step with zero gradients on them alone
+    (the others' are None for it: skipped) and a learning rate of 0 (parameters do not change). Gradients are put
+    back."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
     grads = [p.grad for p in params]
     rates = [group.get("lr") for group in optimizer.param_groups]
+    chosen = {id(p) for p in made}
     for p in params:
-        p.grad = torch.zeros_like(p)
+        p.grad = torch.zeros_like(p) if id(p) in chosen else None
     for group in optimizer.param_groups:
         if "lr" in group:
             group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], torch.Tensor) else 0.0
@@ -164,7 +195,6 @@ def _make_state(optimizer: torch.optim.Optimizer) -> bool:
                 group["lr"] = rate
         for p, grad in zip(params, grads):
             p.grad = grad
-    return True
 
 
 def full_state_dict(source, rank: int = 0) -> dict:
