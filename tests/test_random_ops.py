@@ -121,12 +121,26 @@ def test_random_values_do_not_depend_on_layout(ranks):
 
 
 def outside_body():
+    """A draw with a rule, then draws of ops that take the broadcast fallback (no rule), on placements that leave
+    rank 2, then rank 0, out; the next draw of each rank."""
     p = st.placement("cpu", [0, 1])
     torch.manual_seed(SEED)
     torch.rand_like(layout(X, p, (S(0),)))
-    return torch.rand(3)
+    draws = [torch.rand(3)]
+    for ranks in ([0, 1], [2, 1]):
+        torch.manual_seed(SEED)
+        x = layout(X, st.placement("cpu", ranks), (S(0),))
+        x.exponential_()
+        torch.poisson(x.abs())
+        draws.append(torch.rand(3))
+    return draws
 
 
 def test_ranks_outside_the_placement_advance_their_generator():
     draws = run_on_world(3, outside_body)
-    assert all(torch.equal(d, draws[0]) for d in draws)
+    torch.manual_seed(SEED)
+    torch.poisson(torch.zeros_like(X).exponential_().abs())  # (the fallback's draws, as one process makes them)
+    want = torch.rand(3)
+    for rank_draws in draws:
+        assert all(torch.equal(d, e) for d, e in zip(rank_draws, draws[0]))
+        assert torch.equal(rank_draws[1], want) and torch.equal(rank_draws[2], want)

@@ -9,6 +9,7 @@ from ._collectives import (
     all_to_all,
     broadcast,
     empty_from,
+    generator_state_from,
     reduce_scatter,
     send_recv,
     start_all_reduce,

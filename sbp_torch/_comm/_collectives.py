@@ -205,6 +205,19 @@ def send_recv(
 POINT_TO_POINT = "point-to-point exchange"
 
 
+def generator_state_from(rank: int, device: torch.device) -> None:
+    """Every rank of the world takes the state of the random generator for ``device`` that ``rank`` holds: after a
+    draw that only some ranks made, the others move on as if they had drawn too (docs/randomness.md)."""
+    cuda = device.type == "cuda"
+    state = torch.cuda.get_rng_state(device) if cuda else torch.get_rng_state()
+    wire = state.to(device) if cuda else state
+    try:
+        dist.broadcast(wire, src=rank)
+    except RuntimeError as err:
+        raise collective_failed(f"the broadcast of rank {rank}'s random generator state over the world", err) from err
+    torch.cuda.set_rng_state(wire.cpu(), device) if cuda else torch.set_rng_state(wire)
+
+
 def _world_group() -> AxisGroup:
     return AxisGroup(tuple(range(dist.get_world_size())), dist.get_rank(), dist.group.WORLD)
 

@@ -6,6 +6,7 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
 from .. import _comm as comm
@@ -70,6 +71,10 @@ def run_fallback(bound: BoundCall, why: str):
     except Exception as err:  # every member runs it on the same values: only out of memory is a rank's own
         comm.local_failure(func, err, placement, ())
         raise
+    if torch.Tag.nondeterministic_seeded in func.tags and len(placement.flat_ranks) < dist.get_world_size():
+        # (ranks outside the placement ran it on meta tensors, drawing nothing: they take a drawing rank's state)
+        if not comm.compiling():
+            comm.generator_state_from(placement.flat_ranks[0], bound.tensors[0]._local.device)
     written = [bound.tensors[i] for i in bound.written]
     for g in written:
         if member and full_values[id(g)] is not g._local:
