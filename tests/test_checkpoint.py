@@ -279,16 +279,25 @@ def _optimizer_state_as_saved(path):
         return [q.detach().to_local().clone() for q in stages[me].parameters()]
 
     step()
+    own = {
+        i: {name: (v.to_local() if v.is_global else v).clone() for name, v in entries.items()}
+        for i, entries in optimizer.state_dict()["state"].items()
+    }
+    full = st.full_state_dict(optimizer)  # (each rank holds state for its own stage's parameters alone)
     st.checkpoint.save({"stages": nn.ModuleList(stages), "optim": optimizer}, path + "/pipeline")
     after_save = step()  # (moments as saved give these values again)
     step()
     st.checkpoint.load({"stages": nn.ModuleList(stages), "optim": optimizer}, path + "/pipeline")
     for got, want in zip(step(), after_save):
         assert torch.equal(got, want)
+    return own, full
 
 
 def test_an_optimizer_holds_state_for_the_parameters_the_checkpoint_does(tmp_path):
-    run_on_world(2, _optimizer_state_as_saved, str(tmp_path))
+    (own_0, full), (own_1, nothing) = run_on_world(2, _optimizer_state_as_saved, str(tmp_path))
+    assert sorted(own_0) == [0, 1] and sorted(own_1) == [2, 3] and nothing == {}
+    # the full state on rank 0 holds every stage's parameters' state, each as the rank that steps it holds it
+    _assert_identical(full["state"], {**own_0, **own_1})
 
 
 def _extra_in_checkpoint(path):

@@ -200,8 +200,9 @@ def _make_state(optimizer: torch.optim.Optimizer, made: list) -> None:
 def full_state_dict(source, rank: int = 0) -> dict:
     """The state of ``source`` (a module, an optimizer, or a state dict) as plain CPU tensors on ``rank``, the
     logical values; an empty dict on every other rank. Every rank calls it. Global tensors travel to ``rank``
-    one at a time, partial ones reduced on the way, so other ranks hold no more than their own parts. The
-    result loads with ``torch.load(..., weights_only=True)`` once saved, and into ``safetensors`` files."""
+    one at a time, partial ones reduced on the way, so other ranks hold no more than their own parts. Ranks may
+    hold different entries (a pipeline's optimizer holds state for its own stages' parameters): the result holds
+    them all. It loads with ``torch.load(..., weights_only=True)`` once saved, and into ``safetensors`` files."""
     state = source.state_dict() if hasattr(source, "state_dict") else source
     here = dist.get_rank() == rank
 
@@ -209,7 +210,59 @@ def full_state_dict(source, rank: int = 0) -> dict:
         if isinstance(t, GlobalTensor):
             one = Placement(t.placement.type, ranks=[rank])
             t = t.detach().to_global(one, (broadcast,)).to_local()
-        return t.detach().cpu() if here else None
+        return t.detach().to("cpu", copy=True) if here else None  # (a copy: the state goes on changing)
 
-    out = _map_tensors(state, gathered)
+    held = dict(_entries(state))
+    described = [None] * dist.get_world_size()
+    dist.all_gather_object(described, {path: _described(value) for path, value in held.items()})
+    if all(d.keys() == described[0].keys() for d in described):  # (the common case: one state dict on every rank)
+        out = _map_tensors(state, gathered)
+        return out if here else {}
+    # Ranks hold state for different parameters (a pipeline's optimizer steps its own stages' alone): every rank
+    # walks every entry, in one order, with a stand-in for one it lacks, so that the transfers pair up.
+    union = {}
+    for entries in described:
+        for path, description in entries.items():
+            union.setdefault(path, description)
+    lacking = [path for path, (kind, _) in union.items() if kind == "large" and path not in described[rank]]
+    if lacking:  # (alike on every rank: all read the same descriptions)
+        raise ValueError(
+            f"full_state_dict: rank {rank} lacks the plain tensor(s) {lacking}, which other ranks hold; a plain "
+            "tensor travels only where every rank holds it: lay it out as a global tensor"
+        )
+    out = {}
+    for path in sorted(union, key=repr):
+        kind, value = union[path]
+        if path in held:
+            value = held[path]
+        elif kind == "global":  # (a rank outside its placement)
+            value = GlobalTensor(torch.empty(0, dtype=value.dtype, device=value.placement.type), value)
+        leaf = gathered(value) if isinstance(value, torch.Tensor) else value
+        if here:
+            _insert(out, path, leaf)
     return out if here else {}
+
+
+def _entries(state, path=()):
+    """(path, value) of every entry that is not a dict, through nested dicts."""
+    for key, value in state.items():
+        if isinstance(value, dict):
+            yield from _entries(value, (*path, key))
+        else:
+            yield (*path, key), value
+
+
+def _described(value):
+    """What another rank needs of an entry it lacks: a global tensor's metadata, or the value itself (a plain tensor
+    only if small: an optimizer's step count, say)."""
+    if isinstance(value, GlobalTensor):
+        return "global", value._meta
+    if isinstance(value, torch.Tensor):
+        return ("value", value.detach().cpu()) if value.numel() <= 64 else ("large", None)
+    return "value", value
+
+
+def _insert(out: dict, path: tuple, value) -> None:
+    for key in path[:-1]:
+        out = out.setdefault(key, {})
+    out[path[-1]] = value
