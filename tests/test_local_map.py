@@ -51,6 +51,28 @@ def _local_map_job():
     return max(errors), out.sbp, total.sbp, gw.grad.sbp, refusals
 
 
+def _outside_job():
+    """A region on a placement that leaves rank 2 out, indexing its parts' second dim: the rank outside holds no
+    part and must neither raise nor leave the others waiting; values and gradients against one process."""
+    p = st.placement("cpu", [0, 1])
+    x = torch.arange(28.0).reshape(7, 4)
+    ref = x.clone().requires_grad_()
+    (ref[:, 1:3] * 2).square().sum().backward()
+    gx = x.to_global(p, broadcast).to_global(sbp=split(0)).requires_grad_()
+    for shapes in (None, lambda a: [(7, 2)]):
+        cols = st.local_map(lambda a: a[:, 1:3] * 2, (split(0),), split(0), out_shapes=shapes)(gx)
+        cols.square().sum().backward()
+        full, inside = cols.full_tensor(), torch.distributed.get_rank() in (0, 1)  # (empty outside the placement)
+        assert torch.equal(full, x[:, 1:3] * 2) if inside else full.numel() == 0
+    grad = gx.grad.full_tensor()
+    if torch.distributed.get_rank() in (0, 1):
+        torch.testing.assert_close(grad, 2 * ref.grad)  # (two regions' gradients)
+
+
+def test_a_rank_outside_the_placement_runs_a_region_alike():
+    run_on_world(3, _outside_job)
+
+
 def test_local_map_against_one_process():
     for error, out_sbp, total_sbp, grad_sbp, refusals in run_on_world(4, _local_map_job):
         assert error < 1e-5, error

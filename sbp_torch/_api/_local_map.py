@@ -18,7 +18,8 @@ partial, the region is *divided*: each rank computes its own share of the result
 
 Every floating output depends on every input that needs a gradient, so each such input gets one on every rank,
 zeros where the function did not read it on that rank (an expert that received no token), and the ranks reduce
-the same gradients. Under torch.compile a region runs eagerly, between the graphs before and after it.
+the same gradients. A rank outside the placement runs the function on zeros shaped as the first rank's parts and
+keeps none of it. Under torch.compile a region runs eagerly, between the graphs before and after it.
 """
 
 import torch
@@ -145,13 +146,15 @@ def run_locally(fn, placement: Placement, args: tuple, in_sbps: tuple, out_sbps,
         for i, a in enumerate(boxed)
     ]
     local_slots = [_local_part(t, divided, f"{what}: {name}") for _, name, t in slots]
-    with outside_global_mode(), _Swapped(list(slots), local_slots):
-        result = fn(*local_args, **kwargs)
+    outside = placement.local_coord() is None
+    run_args = [_stand_in(a) if outside and isinstance(a, GlobalTensor) else p for a, p in zip(boxed, local_args)]
+    with outside_global_mode(), _Swapped(list(slots), [_stand_in(t) for _, _, t in slots] if outside else local_slots):
+        result = fn(*run_args, **kwargs)
     flat, spec = tree_flatten(result)
     positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
     if len(positions) != len(out_sbps):
         raise ValueError(f"{what}: the function returned {len(positions)} tensors, out_sbps lists {len(out_sbps)}")
-    outs = [flat[i] for i in positions]
+    outs = [flat[i].new_empty((0,)) if outside else flat[i] for i in positions]  # (outside: no part, nothing kept)
     needing = [t for t in local_args + local_slots if isinstance(t, torch.Tensor) and t.requires_grad]
     if needing and torch.is_grad_enabled():
         for k, (out, sbp) in enumerate(zip(outs, out_sbps)):
@@ -164,6 +167,14 @@ def run_locally(fn, placement: Placement, args: tuple, in_sbps: tuple, out_sbps,
             meta = GlobalMeta(tuple(out_shapes[k]), out.dtype, placement, sbp)
             flat[positions[k]] = _Wrap.apply(_checked_part(out, meta, f"{what}: output {k}"), meta)
     return tree_unflatten(flat, spec)
+
+
+def _stand_in(x: GlobalTensor) -> torch.Tensor:
+    """Zeros shaped as the part of ``x`` at the placement's first coordinate: what a rank outside the placement runs
+    a region on (its own parts are empty), so that the function meets parts of the shapes it is written for and
+    raises only where the ranks inside raise too."""
+    meta = x._meta
+    return torch.zeros(meta.local_shape((0,) * meta.placement.ndim), dtype=meta.dtype, device=x._local.device)
 
 
 def _checked_part(local: torch.Tensor, meta: GlobalMeta, what: str) -> torch.Tensor:
