@@ -216,6 +216,13 @@ def assignment_body(ranks):
         (want * weights).sum().backward()
         (got * weights.to_global(p, (B,) * len(layout))).sum().backward()
         torch.testing.assert_close(got_source.grad.full_tensor(), source.grad, msg=f"write {k}")
+    if not mesh:  # (on a placement that leaves rank 0 out, which holds no part and runs every call alike)
+        x, want = full.to_global(st.placement("cpu", [2, 1]), B).to_global(sbp=S(0)), full.clone()
+        for t in (x, want):
+            t[1:3] = 7.0
+            t[0].add_(1)
+        got = x.full_tensor()
+        assert torch.equal(got, want) if torch.distributed.get_rank() else got.numel() == 0
     return True
 
 

@@ -23,10 +23,11 @@ from .._tensor import GlobalTensor
 
 SETITEM = torch._C.TensorBase.__setitem__
 GETITEM = torch._C.TensorBase.__getitem__
-# In-place methods that are not named with a trailing underscore
+# In-place methods that are not named with a trailing underscore, and methods so named that change no value
 _IN_PLACE_DUNDERS = frozenset(
     f"__i{name}__" for name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor")
 ) | {"__ilshift__", "__irshift__", "__setitem__"}
+_NOT_WRITES = frozenset({"requires_grad_", "share_memory_", "detach_", "rename_"})
 
 
 def _cuts(index, ndim: int) -> list | None:
@@ -82,9 +83,11 @@ def assign(x: GlobalTensor, index, value) -> None:
 
 
 def _broadcast_on(t: torch.Tensor, x: GlobalTensor) -> GlobalTensor:
-    """The plain ``t``, the same on every rank, as a broadcast global tensor on ``x``'s placement (nothing moves)."""
+    """The plain ``t``, the same on every rank, as a broadcast global tensor on ``x``'s placement (nothing moves;
+    a rank outside the placement keeps an empty part)."""
     placement = x.placement
-    return GlobalTensor(t, GlobalMeta(tuple(t.shape), t.dtype, placement, (broadcast,) * placement.ndim))
+    meta = GlobalMeta(tuple(t.shape), t.dtype, placement, (broadcast,) * placement.ndim)
+    return GlobalTensor(t if placement.local_coord() is not None else t.new_empty(0), meta)
 
 
 class CopiedView(GlobalTensor):
@@ -94,7 +97,7 @@ class CopiedView(GlobalTensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         result = GlobalTensor.__torch_function__.__func__(GlobalTensor, func, types, args, kwargs)
         name = getattr(func, "__name__", "")
-        if (name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_DUNDERS:
+        if (name.endswith("_") and not name.endswith("__") and name not in _NOT_WRITES) or name in _IN_PLACE_DUNDERS:
             written = args[0] if args else None
             if type(written) is CopiedView:
                 base, index = written._copied_from
