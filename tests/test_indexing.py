@@ -203,6 +203,8 @@ def assignment_body(ranks):
         lambda t: t[0].fill_(0),
         lambda t: t[1:4].__setitem__(0, 2.0),  # (a write into a view of a view)
         lambda t: t[..., 1:][2].mul_(3),  # (a view made from a copy, of a view of t)
+        # (a view taken, its base written, the view read and written: it reads and writes through, as a view)
+        lambda t: (lambda view: (t.add_(1), t[3:].add_(view.sum()), view.mul_(2)))(t[1:3]),
     ]
     for k, write in enumerate(writes):
         source = full.clone().requires_grad_()

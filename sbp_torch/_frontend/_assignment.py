@@ -10,8 +10,9 @@ copy of ``x``, and a write into it would not reach ``x``. So:
   what it must);
 * ``x[index]`` is a ``CopiedView``: a global tensor that remembers where it was taken from and, after an in-place
   op on it (``y.add_(1)``, ``y[0] = 5``, the ``+=`` of ``x[index] += 1``), writes itself back (``x[index] = y``),
-  as torch's view would have written through. Views of it taken by other ops than indexing (``y.view``, ``y.t()``)
-  are plain global tensors: writes through those do not reach ``x``.
+  as torch's view would have written through; where ``x`` was written since (its version counter moved), it reads
+  ``x[index]`` again before an op uses it, as a view would see the write. Views of it taken by other ops than
+  indexing (``y.view``, ``y.t()``) are plain global tensors: writes through those do not reach ``x``.
 
 Only indices of ints, slices, ``...`` and ``None`` are concerned: an index holding tensors or booleans gives a copy
 in torch too, and its assignment is ``index_put_`` in torch already."""
@@ -91,22 +92,46 @@ def _broadcast_on(t: torch.Tensor, x: GlobalTensor) -> GlobalTensor:
 
 
 class CopiedView(GlobalTensor):
-    """``x[index]`` made from a boxed copy of ``x``: an in-place op on it writes it back into ``x``."""
+    """``x[index]`` made from a boxed copy of ``x``: it reads ``x`` again where ``x`` was written since, and an
+    in-place op on it writes it back into ``x``, as a view would read and write through."""
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
+        for arg in (*args, *(kwargs or {}).values()):
+            if type(arg) is CopiedView:
+                _refreshed(arg)
         result = GlobalTensor.__torch_function__.__func__(GlobalTensor, func, types, args, kwargs)
         name = getattr(func, "__name__", "")
         if (name.endswith("_") and not name.endswith("__") and name not in _NOT_WRITES) or name in _IN_PLACE_DUNDERS:
             written = args[0] if args else None
             if type(written) is CopiedView:
                 base, index = written._copied_from
+                written._base_version = _version(base)  # (autograd counts a view's writes on its base's counter)
                 base[index] = written
+                written._base_version = _version(base)
         return result
+
+
+def _version(t: torch.Tensor) -> int:
+    with torch._C.DisableTorchFunctionSubclass():  # (a getter through __torch_function__ costs a Python entry)
+        return t._version
+
+
+def _refreshed(view: CopiedView) -> None:
+    """Read ``view`` again from its base where the base was written since it was taken (or last read)."""
+    base, index = view._copied_from
+    if type(base) is CopiedView:
+        _refreshed(base)
+    now = _version(base)
+    if now != view._base_version:
+        with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+            fresh = GETITEM(base, index)  # (with torch functions off: the dispatcher's copy, not a CopiedView)
+            view._local.copy_(fresh._local)
+        view._base_version = now
 
 
 def copied_view(view: GlobalTensor, base: GlobalTensor, index) -> GlobalTensor:
     """``view`` (``base[index]``, made from a copy) as a ``CopiedView`` of ``base``."""
     view.__class__ = CopiedView
-    view._copied_from = (base, index)
+    view._copied_from, view._base_version = (base, index), _version(base)
     return view
