@@ -138,6 +138,29 @@ def test_a_first_stage_that_trains_nothing():
             torch.testing.assert_close(got, want_params[i], rtol=1e-5, atol=1e-6)
 
 
+class _Noisy(nn.Module):
+    """Adds zero times a draw of ``exponential_``, a random op that takes the broadcast fallback."""
+
+    def forward(self, x):
+        return x + torch.empty_like(x).exponential_() * 0
+
+
+def _noisy_stages():
+    layers = _layers(2)
+    stages = [nn.Sequential(layer, _Noisy()).to_global(st.placement("cpu", [r])) for r, layer in enumerate(layers)]
+    pipe = Pipeline(stages, nn.functional.mse_loss, 4, "1f1b")
+    return [pipe.step(x, y) for x, y in _batches(8)]
+
+
+@pytest.mark.gloo
+def test_a_stage_drawing_through_the_fallback():
+    """Each rank runs its own stage's ops alone: a random op there takes no call of the other ranks."""
+    model = nn.Sequential(*_layers(2))
+    want = [nn.functional.mse_loss(model(x), y).item() for x, y in _batches(8)]
+    for losses in run_on_world(2, _noisy_stages):
+        assert losses == pytest.approx(want, rel=1e-5)
+
+
 # ---- a parameter tied across stages ------------------------------------------------------------------------
 
 

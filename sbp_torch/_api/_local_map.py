@@ -171,8 +171,9 @@ def run_locally(fn, placement: Placement, args: tuple, in_sbps: tuple, out_sbps,
 
 def _stand_in(x: GlobalTensor) -> torch.Tensor:
     """Zeros shaped as the part of ``x`` at the placement's first coordinate: what a rank outside the placement runs
-    a region on (its own parts are empty), so that the function meets parts of the shapes it is written for and
-    raises only where the ranks inside raise too."""
+    a region on (its own parts are empty), so that the function meets parts of the dims it is written for. (A
+    function that reads its values may still raise on zeros alone: a Cholesky factorization; the ranks inside then
+    raise at their next collective with that rank.)"""
     meta = x._meta
     return torch.zeros(meta.local_shape((0,) * meta.placement.ndim), dtype=meta.dtype, device=x._local.device)
 

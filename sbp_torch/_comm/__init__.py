@@ -17,7 +17,14 @@ from ._collectives import (
     start_reduce_scatter_parts,
 )
 from ._compiled import RanksDisagree, check_program, compiling, gather_call_facts, note_placement, tracing_program
-from ._faults import CollectiveError, caller_stops_one_rank_failures, close_world, collective_failed, posted_failures
+from ._faults import (
+    CollectiveError,
+    caller_stops_one_rank_failures,
+    close_world,
+    collective_failed,
+    ops_on_some_ranks,
+    posted_failures,
+)
 from ._groups import AxisGroup, axis_group, ensure_groups, forget_groups
 from ._primitives import local_failure, notify, observing, traced
 from ._step_calls import announce_call, announce_step, programs_run, ranks_running

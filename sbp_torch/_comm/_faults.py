@@ -49,6 +49,11 @@ def caller_stops_one_rank_failures():
         _CALLER_STOPS_ONE_RANK_FAILURES.reset(token)
 
 
+def ops_on_some_ranks() -> bool:
+    """Whether the caller runs ops on some ranks only (a pipeline's step: each rank runs its own stages' ops)."""
+    return _CALLER_STOPS_ONE_RANK_FAILURES.get()
+
+
 def local_failure(what, err: Exception, ranks: int, alike: bool) -> None:
     """The local computation of the op ``what`` on a placement of ``ranks`` ranks (0: unknown) raised ``err`` on
     this rank: post it and close this rank's process groups, unless that was done, or the caller stops the ranks,

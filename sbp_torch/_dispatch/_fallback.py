@@ -72,8 +72,9 @@ def run_fallback(bound: BoundCall, why: str):
         comm.local_failure(func, err, placement, ())
         raise
     if torch.Tag.nondeterministic_seeded in func.tags and len(placement.flat_ranks) < dist.get_world_size():
-        # (ranks outside the placement ran it on meta tensors, drawing nothing: they take a drawing rank's state)
-        if not comm.compiling():
+        # (ranks outside the placement ran it on meta tensors, drawing nothing: they take a drawing rank's state;
+        # a pipeline's ranks run their own stages' ops alone, so there is no call of theirs to meet)
+        if not comm.compiling() and not comm.ops_on_some_ranks():
             comm.generator_state_from(placement.flat_ranks[0], bound.tensors[0]._local.device)
     written = [bound.tensors[i] for i in bound.written]
     for g in written:

@@ -1,21 +1,14 @@
-"""Assignment through an index that cuts a dim a global tensor splits: ``x[index] = value``, and writes into
-``x[index]``.
+"""Writes that torch makes through views which sbp_torch makes from copies: ``x[index] = value`` where the index
+cuts a dim that ``x`` splits, ``x.fill_diagonal_``; and ``x.data = value``, which torch sets on the wrapper alone.
 
-Torch assigns through a view of ``x`` (``slice``, ``select``) and a copy into that view. Where the index cuts a dim
-that ``x`` splits over some placement axis, the view's rows lie on several ranks, so sbp_torch makes it from a boxed
-copy of ``x``, and a write into it would not reach ``x``. So:
-
-* ``x[index] = value`` is written as ``x.index_put_`` with one tensor of positions per dim of ``x`` (an open grid
-  of the rows, columns, ... that the index picks), which writes into ``x`` in its own layout (the op's rule boxes
-  what it must);
-* ``x[index]`` is a ``CopiedView``: a global tensor that remembers where it was taken from and, after an in-place
-  op on it (``y.add_(1)``, ``y[0] = 5``, the ``+=`` of ``x[index] += 1``), writes itself back (``x[index] = y``),
-  as torch's view would have written through; where ``x`` was written since (its version counter moved), it reads
-  ``x[index]`` again before an op uses it, as a view would see the write. Views of it taken by other ops than
-  indexing (``y.view``, ``y.t()``) are plain global tensors: writes through those do not reach ``x``.
-
-Only indices of ints, slices, ``...`` and ``None`` are concerned: an index holding tensors or booleans gives a copy
-in torch too, and its assignment is ``index_put_`` in torch already."""
+Torch assigns ``x[index] = value`` through a view of ``x`` (``slice``, ``select``) and a copy into that view. Where
+the index cuts a dim that ``x`` splits over some placement axis, the view's rows lie on several ranks, so sbp_torch
+makes it from a boxed copy of ``x``, and a copy into it would not reach ``x``. Such an assignment is written instead
+as a masked write over the positions the index picks (a boolean mask of ``x``'s shape, the same on every rank):
+``masked_fill_`` for one value, else ``copy_`` of a ``where`` between ``x`` and the value placed at those positions.
+Both run on ``x``'s parts in its own layout (no gather) and carry gradients to ``x`` and to the value. Only indices
+of ints, slices, ``...`` and ``None`` are concerned: an index holding tensors or booleans is ``index_put_`` in
+torch already. ``fill_diagonal_`` (a write through ``as_strided``) becomes a masked fill the same way."""
 
 import torch
 
@@ -23,12 +16,8 @@ from .._layout import GlobalMeta, Split, broadcast
 from .._tensor import GlobalTensor
 
 SETITEM = torch._C.TensorBase.__setitem__
-GETITEM = torch._C.TensorBase.__getitem__
-# In-place methods that are not named with a trailing underscore, and methods so named that change no value
-_IN_PLACE_DUNDERS = frozenset(
-    f"__i{name}__" for name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor")
-) | {"__ilshift__", "__irshift__", "__setitem__"}
-_NOT_WRITES = frozenset({"requires_grad_", "share_memory_", "detach_", "rename_"})
+FILL_DIAGONAL = torch._C.TensorBase.fill_diagonal_
+DATA = torch._C.TensorBase.__dict__["data"]  # (``t.data = v`` reaches __torch_function__ as its ``__set__``)
 
 
 def _cuts(index, ndim: int) -> list | None:
@@ -54,33 +43,41 @@ def through_a_copy(x, index) -> bool:
     if not isinstance(x, GlobalTensor):
         return False
     meta = x._meta  # (the metadata, not x.dim(): a torch function would come back here)
-    cuts = _cuts(index, len(meta.shape))
     split = {s.dim for s in meta.sbp if isinstance(s, Split)}
+    if not split:  # (the common case, answered first)
+        return False
+    cuts = _cuts(index, len(meta.shape))
     return bool(cuts) and any(dim in split for dim, _ in cuts)
 
 
 def assign(x: GlobalTensor, index, value) -> None:
-    """``x[index] = value`` as ``x.index_put_`` over the open grid of positions the index picks."""
-    shape, device = x._meta.shape, x._local.device
-    cuts, grid = dict(_cuts(index, len(shape))), []
-    for dim, size in enumerate(shape):
-        cut = cuts.get(dim, slice(None))
-        if isinstance(cut, slice):
-            positions = list(range(*cut.indices(size)))
-        elif -size <= cut < size:
-            positions = [cut % size]
-        else:
-            raise IndexError(f"index {cut} is out of bounds for dimension {dim} with size {size}")
-        at = torch.tensor(positions, dtype=torch.long, device=device)
-        grid.append(_broadcast_on(at.reshape([1] * dim + [-1] + [1] * (len(shape) - dim - 1)), x))
-    picked = tuple(g.shape[dim] for dim, g in enumerate(grid))
-    if not isinstance(value, torch.Tensor):
-        value = torch.tensor(value, dtype=x._meta.dtype, device=device)
-    if value.dim():
-        if not isinstance(value, GlobalTensor):  # (implicit broadcast let it through, as the same on every rank)
-            value = _broadcast_on(value, x)
-        value = value.broadcast_to(torch.empty(shape, device="meta")[index].shape).reshape(picked)
-    x.index_put_(tuple(grid), value.to(x._meta.dtype))
+    """``x[index] = value`` as a masked write over the positions the index picks (see the module docstring)."""
+    meta, device = x._meta, x._local.device
+    picked = torch.zeros(meta.shape, dtype=torch.bool, device=device)
+    picked[index] = True  # (plain tensors: the same mask on every rank, raising torch's own index errors)
+    mask = _broadcast_on(picked, x)
+    if not isinstance(value, torch.Tensor) or value.dim() == 0 and not isinstance(value, GlobalTensor):
+        x.masked_fill_(mask, value)
+        return
+    if not isinstance(value, GlobalTensor):  # (implicit broadcast let it through, as the same on every rank)
+        value = _broadcast_on(value, x)
+    placed = _broadcast_on(torch.zeros(meta.shape, dtype=meta.dtype, device=device), x)
+    placed[index] = value  # (a broadcast tensor: a view of it shares its part)
+    x.copy_(torch.where(mask, placed, x))
+
+
+def set_data(x: GlobalTensor, value) -> None:
+    """``x.data = value``: the wrapper takes ``value``'s metadata (torch's own setter) and its part and layout."""
+    with torch._C.DisableTorchFunctionSubclass():
+        DATA.__set__(x, value)
+    if isinstance(value, GlobalTensor):
+        x._local, x._meta = value._local, value._meta
+
+
+def fill_diagonal(x: GlobalTensor, fill_value, wrap: bool = False) -> GlobalTensor:
+    """``x.fill_diagonal_(fill_value, wrap)`` as a masked fill (see the module docstring)."""
+    picked = torch.zeros(x._meta.shape, dtype=torch.bool, device=x._local.device).fill_diagonal_(True, wrap=wrap)
+    return x.masked_fill_(_broadcast_on(picked, x), fill_value)
 
 
 def _broadcast_on(t: torch.Tensor, x: GlobalTensor) -> GlobalTensor:
@@ -89,49 +86,3 @@ def _broadcast_on(t: torch.Tensor, x: GlobalTensor) -> GlobalTensor:
     placement = x.placement
     meta = GlobalMeta(tuple(t.shape), t.dtype, placement, (broadcast,) * placement.ndim)
     return GlobalTensor(t if placement.local_coord() is not None else t.new_empty(0), meta)
-
-
-class CopiedView(GlobalTensor):
-    """``x[index]`` made from a boxed copy of ``x``: it reads ``x`` again where ``x`` was written since, and an
-    in-place op on it writes it back into ``x``, as a view would read and write through."""
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        for arg in (*args, *(kwargs or {}).values()):
-            if type(arg) is CopiedView:
-                _refreshed(arg)
-        result = GlobalTensor.__torch_function__.__func__(GlobalTensor, func, types, args, kwargs)
-        name = getattr(func, "__name__", "")
-        if (name.endswith("_") and not name.endswith("__") and name not in _NOT_WRITES) or name in _IN_PLACE_DUNDERS:
-            written = args[0] if args else None
-            if type(written) is CopiedView:
-                base, index = written._copied_from
-                written._base_version = _version(base)  # (autograd counts a view's writes on its base's counter)
-                base[index] = written
-                written._base_version = _version(base)
-        return result
-
-
-def _version(t: torch.Tensor) -> int:
-    with torch._C.DisableTorchFunctionSubclass():  # (a getter through __torch_function__ costs a Python entry)
-        return t._version
-
-
-def _refreshed(view: CopiedView) -> None:
-    """Read ``view`` again from its base where the base was written since it was taken (or last read)."""
-    base, index = view._copied_from
-    if type(base) is CopiedView:
-        _refreshed(base)
-    now = _version(base)
-    if now != view._base_version:
-        with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
-            fresh = GETITEM(base, index)  # (with torch functions off: the dispatcher's copy, not a CopiedView)
-            view._local.copy_(fresh._local)
-        view._base_version = now
-
-
-def copied_view(view: GlobalTensor, base: GlobalTensor, index) -> GlobalTensor:
-    """``view`` (``base[index]``, made from a copy) as a ``CopiedView`` of ``base``."""
-    view.__class__ = CopiedView
-    view._copied_from, view._base_version = (base, index), _version(base)
-    return view

@@ -3,7 +3,7 @@
 1. getters (``shape``, ``grad``, ...) and functions known to return views go straight on, below autograd;
 2. a plain tensor with dims from user code beside global tensors raises, unless implicit broadcast is on
    (``_plain_inputs.py``); an assignment ``x[index] = value`` whose index cuts a dim that ``x`` splits is written
-   with ``index_put_``, and ``x[index]`` is then a ``CopiedView`` that writes itself back after an in-place op
+   as a masked write, and ``fill_diagonal_`` as a masked fill; ``t.data = v`` takes ``v``'s part
    (``_assignment.py``);
 3. ``torch.matmul`` of batched global tensors becomes one ``aten.matmul`` (``_batched_matmul.py``), which
    torch would flatten in a way that loses a split of the heads dim; grouped-query attention on CUDA has its key
@@ -19,10 +19,12 @@ of steps 2, 3 and the compile check has anything to do (no plain tensor with dim
 no compilation); otherwise C does nothing and the steps run here in Python."""
 
 import torch
+from torch.compiler import is_dynamo_compiling
 
 from .._comm import compiling
 from .._dispatch import native_local_calls
-from ._assignment import GETITEM, SETITEM, assign, copied_view, through_a_copy
+from .._layout import Broadcast
+from ._assignment import DATA, FILL_DIAGONAL, SETITEM, assign, fill_diagonal, set_data, through_a_copy
 from ._batched_matmul import MATMUL_FUNCS, BatchedMatmul, applies
 from ._below_autograd import below_autograd, run_below_autograd, values_read, without_torch_function
 from ._gradient_boundary import at_uses
@@ -34,8 +36,10 @@ from ._plain_inputs import check_plain_inputs
 
 def torch_function(cls, func, types, args=(), kwargs=None):
     """``GlobalTensor.__torch_function__`` (see the module docstring)."""
-    if func is GETITEM and not compiling() and through_a_copy(*args[:2]):
-        return copied_view(below_autograd(func, types, args, kwargs), *args[:2])
+    if func is FILL_DIAGONAL and not all(isinstance(s, Broadcast) for s in args[0]._meta.sbp):
+        return fill_diagonal(*args, **(kwargs or {}))
+    if type(func) is _METHOD_WRAPPER and func.__self__ is DATA and func.__name__ == "__set__":  # (t.data = v)
+        return set_data(*args)
     if func in DISPATCH_ONLY:
         if len(args) > 1 or kwargs:  # (a getter takes its tensor alone: nothing plain to refuse)
             check_plain_inputs(func, args, kwargs)
@@ -45,8 +49,8 @@ def torch_function(cls, func, types, args=(), kwargs=None):
         if result is not NOT_HANDLED:
             return result
     check_plain_inputs(func, args, kwargs)
-    if func is SETITEM and not compiling() and through_a_copy(*args[:2]):
-        return assign(*args)
+    if func is SETITEM and through_a_copy(*args[:2]):
+        return _assigned_eagerly(*args) if is_dynamo_compiling() else assign(*args)
     if func in MATMUL_FUNCS and applies(func, args, kwargs or {}):
         return BatchedMatmul.apply(*args)
     if func in SDPA_FUNCS and grouped_attention(func, args, kwargs or {}):
@@ -56,6 +60,15 @@ def torch_function(cls, func, types, args=(), kwargs=None):
         args, kwargs = at_uses(func, args, kwargs)
         return below_autograd(func, types, args, kwargs)
     return without_torch_function(_LOCAL_OR_BELOW_AUTOGRAD, types, (func, types, args, kwargs))
+
+
+_METHOD_WRAPPER = type(DATA.__set__)
+_EAGERLY = "an assignment through an index that cuts a dim its tensor splits is written eagerly"
+
+
+@torch.compiler.disable(reason=_EAGERLY)
+def _assigned_eagerly(x, index, value):
+    assign(x, index, value)
 
 
 def _local_or_below_autograd(func, types, args, kwargs):

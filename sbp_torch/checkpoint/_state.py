@@ -213,11 +213,13 @@ def full_state_dict(source, rank: int = 0) -> dict:
         return t.detach().to("cpu", copy=True) if here else None  # (a copy: the state goes on changing)
 
     held = dict(_entries(state))
-    described = [None] * dist.get_world_size()
-    dist.all_gather_object(described, {path: _described(value) for path, value in held.items()})
-    if all(d.keys() == described[0].keys() for d in described):  # (the common case: one state dict on every rank)
+    keys = [None] * dist.get_world_size()
+    dist.all_gather_object(keys, sorted(held, key=repr))
+    if all(k == keys[0] for k in keys):  # (the common case: one state dict on every rank)
         out = _map_tensors(state, gathered)
         return out if here else {}
+    described = [None] * dist.get_world_size()
+    dist.all_gather_object(described, {path: _described(value) for path, value in held.items()})
     # Ranks hold state for different parameters (a pipeline's optimizer steps its own stages' alone): every rank
     # walks every entry, in one order, with a stand-in for one it lacks, so that the transfers pair up.
     union = {}
