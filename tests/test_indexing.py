@@ -225,6 +225,8 @@ def assignment_body(ranks):
             t[0] = t[4]
         got = x.full_tensor()
         assert torch.equal(got, want) if torch.distributed.get_rank() else got.numel() == 0
+    with pytest.raises(st.MixedTensorError):  # (this rank's plain tensor, as any op refuses it)
+        got.data = full.clone()
     return True
 
 

@@ -39,6 +39,7 @@ def torch_function(cls, func, types, args=(), kwargs=None):
     if func is FILL_DIAGONAL and not all(isinstance(s, Broadcast) for s in args[0]._meta.sbp):
         return fill_diagonal(*args, **(kwargs or {}))
     if type(func) is _METHOD_WRAPPER and func.__self__ is DATA and func.__name__ == "__set__":  # (t.data = v)
+        check_plain_inputs(func, args, kwargs)
         return set_data(*args)
     if func in DISPATCH_ONLY:
         if len(args) > 1 or kwargs:  # (a getter takes its tensor alone: nothing plain to refuse)
