@@ -226,7 +226,7 @@ def assignment_body(ranks):
         got = x.full_tensor()
         assert torch.equal(got, want) if torch.distributed.get_rank() else got.numel() == 0
     with pytest.raises(st.MixedTensorError):  # (this rank's plain tensor, as any op refuses it)
-        got.data = full.clone()
+        full.to_global(p, (B,) * len(layout)).data = full.clone()
     return True
 
 

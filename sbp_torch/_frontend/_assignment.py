@@ -68,10 +68,11 @@ def assign(x: GlobalTensor, index, value) -> None:
 
 def set_data(x: GlobalTensor, value) -> None:
     """``x.data = value``: the wrapper takes ``value``'s metadata (torch's own setter) and its part and layout."""
+    if not isinstance(value, GlobalTensor):  # (implicit broadcast let it through, as the same on every rank)
+        value = _broadcast_on(value, x)
     with torch._C.DisableTorchFunctionSubclass():
         DATA.__set__(x, value)
-    if isinstance(value, GlobalTensor):
-        x._local, x._meta = value._local, value._meta
+    x._local, x._meta = value._local, value._meta
 
 
 def fill_diagonal(x: GlobalTensor, fill_value, wrap: bool = False) -> GlobalTensor:
