@@ -533,7 +533,7 @@ static PyObject *DispatchModes;              /* torch._C._len_torch_dispatch_sta
 static PyObject *Autocast;                   /* torch._C._is_any_autocast_enabled */
 static PyObject *GradEnabled;                /* torch.is_grad_enabled */
 static PyObject *NotHandled;                 /* _local_calls.NOT_HANDLED */
-static PyObject *SpecialFuncs;   /* functions __torch_function__ rewrites (batched matmul, attention, assignment) */
+static PyObject *SpecialFuncs;   /* functions __torch_function__ rewrites (batched matmul, attention, writes) */
 static PyObject *CompileTLS;                 /* torch._guards._TLS: its compile_context is set while compiling */
 static PyObject *s_requires_grad, *s_dim, *s_returns, *s_argument, *s_bumped, *s_tensor, *s_none,
     *s_not_allocated, *s_compile_context, *s_compile_id;

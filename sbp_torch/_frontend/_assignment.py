@@ -20,22 +20,22 @@ FILL_DIAGONAL = torch._C.TensorBase.fill_diagonal_
 DATA = torch._C.TensorBase.__dict__["data"]  # (``t.data = v`` reaches __torch_function__ as its ``__set__``)
 
 
-def _cuts(index, ndim: int) -> list | None:
-    """The ``(dim, int or slice)`` pairs of a basic ``index`` into a tensor of ``ndim`` dims (full slices left out);
-    None for an index with anything else in it."""
+def _cut_dims(index, ndim: int) -> list[int]:
+    """The dims of a tensor of ``ndim`` dims that a basic ``index`` cuts (by an int, or a slice other than ``:``);
+    none for an index with anything else in it."""
     entries = index if isinstance(index, tuple) else (index,)
     if not all(e is None or e is Ellipsis or isinstance(e, slice) or type(e) is int for e in entries):
-        return None
+        return []
     consumed = sum(1 for e in entries if e is not None and e is not Ellipsis)
-    cuts, dim = [], 0
+    cut, dim = [], 0
     for e in entries:
         if e is Ellipsis:
             dim += ndim - consumed
         elif e is not None:
             if e != slice(None):
-                cuts.append((dim, e))
+                cut.append(dim)
             dim += 1
-    return cuts
+    return cut
 
 
 def through_a_copy(x, index) -> bool:
@@ -46,8 +46,7 @@ def through_a_copy(x, index) -> bool:
     split = {s.dim for s in meta.sbp if isinstance(s, Split)}
     if not split:  # (the common case, answered first)
         return False
-    cuts = _cuts(index, len(meta.shape))
-    return bool(cuts) and any(dim in split for dim, _ in cuts)
+    return any(dim in split for dim in _cut_dims(index, len(meta.shape)))
 
 
 def assign(x: GlobalTensor, index, value) -> None:

@@ -15,8 +15,8 @@
 5. everything else goes below autograd to ``__torch_dispatch__``, the dispatcher.
 
 Where the C hit paths are built (``csrc/hit_paths.c``), an eager call past step 1 runs steps 2 to 5 in C when none
-of steps 2, 3 and the compile check has anything to do (no plain tensor with dims, no batched matmul or attention,
-no compilation); otherwise C does nothing and the steps run here in Python."""
+of steps 2, 3 and the compile check has anything to do (no plain tensor with dims, no write step 2 rewrites, no
+batched matmul or attention, no compilation); otherwise C does nothing and the steps run here in Python."""
 
 import torch
 from torch.compiler import is_dynamo_compiling
@@ -36,11 +36,6 @@ from ._plain_inputs import check_plain_inputs
 
 def torch_function(cls, func, types, args=(), kwargs=None):
     """``GlobalTensor.__torch_function__`` (see the module docstring)."""
-    if func is FILL_DIAGONAL and not all(isinstance(s, Broadcast) for s in args[0]._meta.sbp):
-        return fill_diagonal(*args, **(kwargs or {}))
-    if type(func) is _METHOD_WRAPPER and func.__self__ is DATA and func.__name__ == "__set__":  # (t.data = v)
-        check_plain_inputs(func, args, kwargs)
-        return set_data(*args)
     if func in DISPATCH_ONLY:
         if len(args) > 1 or kwargs:  # (a getter takes its tensor alone: nothing plain to refuse)
             check_plain_inputs(func, args, kwargs)
@@ -52,6 +47,10 @@ def torch_function(cls, func, types, args=(), kwargs=None):
     check_plain_inputs(func, args, kwargs)
     if func is SETITEM and through_a_copy(*args[:2]):
         return _assigned_eagerly(*args) if is_dynamo_compiling() else assign(*args)
+    if func == _SET_DATA:  # (t.data = v)
+        return set_data(*args)
+    if func is FILL_DIAGONAL and not all(isinstance(s, Broadcast) for s in args[0]._meta.sbp):
+        return fill_diagonal(*args, **(kwargs or {}))
     if func in MATMUL_FUNCS and applies(func, args, kwargs or {}):
         return BatchedMatmul.apply(*args)
     if func in SDPA_FUNCS and grouped_attention(func, args, kwargs or {}):
@@ -63,7 +62,7 @@ def torch_function(cls, func, types, args=(), kwargs=None):
     return without_torch_function(_LOCAL_OR_BELOW_AUTOGRAD, types, (func, types, args, kwargs))
 
 
-_METHOD_WRAPPER = type(DATA.__set__)
+_SET_DATA = DATA.__set__  # (a method-wrapper: made anew at each access, equal to this one)
 _EAGERLY = "an assignment through an index that cuts a dim its tensor splits is written eagerly"
 
 
@@ -83,7 +82,8 @@ def _local_or_below_autograd(func, types, args, kwargs):
 # returns a tensor, an argument or None, and every call that is no local call, run there; first sights, learning and
 # other returns go to the Python function, so both answer every call alike. With it, ``_EAGER`` runs the steps of
 # ``torch_function`` above for an eager call in C, and answers ``NOT_HANDLED``, having done nothing, where the Python
-# steps must see the call (a plain tensor with dims, a batched matmul or attention, a compilation under way).
+# steps must see the call (a plain tensor with dims, a write of ``_assignment.py``, a batched matmul or attention, a
+# compilation under way).
 _COMPILE_TLS = getattr(torch._guards, "_TLS", None)
 _NATIVE_LOCAL, _EAGER = (
     native_local_calls(
@@ -100,7 +100,7 @@ _NATIVE_LOCAL, _EAGER = (
         autocast=torch._C._is_any_autocast_enabled,
         grad_enabled=torch.is_grad_enabled,
         not_handled=NOT_HANDLED,
-        special=frozenset(MATMUL_FUNCS) | frozenset(SDPA_FUNCS) | {SETITEM},
+        special=frozenset(MATMUL_FUNCS) | frozenset(SDPA_FUNCS) | {SETITEM, _SET_DATA, FILL_DIAGONAL},
         compile_tls=_COMPILE_TLS,
     )
     if ENABLED and _COMPILE_TLS is not None

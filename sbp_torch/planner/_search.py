@@ -74,9 +74,10 @@ def plan(
         raise ValueError("plan takes a model that is not laid out yet: plan first, then model.to_global(plan)")
     if isinstance(world, Placement):
         size = math.prod(world.shape)
-        meshes = [m for m in meshes_for(size) if len(m.shape) == world.ndim]
         if world.ndim == 2:  # (its shape, data over tensor, even where an axis has one rank)
             meshes = [Mesh(tuple(world.shape), 0, 1)]
+        else:
+            meshes = [m for m in meshes_for(size) if len(m.shape) == world.ndim]
     else:
         size, meshes = int(world), meshes_for(int(world))
     rows = [t.shape[0] for t in torch.utils._pytree.tree_flatten(example_batch)[0] if isinstance(t, torch.Tensor)]
