@@ -345,6 +345,22 @@ def _refusals():
         with pytest.raises(st.StepNotTraceable) as err:
             step(x)
         caught.append(str(err.value).split(":", 1)[1].strip()[:48])
+    for plan in ({"up.weight": S(0)}, {}):  # a program with collectives, then one without, on the CPU
+        net = MLP(4, 4).to_global(placement, plan)
+        net_optimizer = _adamw(net)
+
+        def graphed(x):
+            loss = net(x)
+            loss.backward()
+            net_optimizer.step()
+            return loss
+
+        step = st.compile_step(graphed, model=net, optimizer=net_optimizer, backend=None, cuda_graphs=True)
+        x = torch.randn(3, 4).to_global(placement, (B,))
+        step(x)
+        with pytest.raises(st.StepNotTraceable) as err:
+            step(x)
+        caught.append(str(err.value).split(";", 1)[1].strip()[:48])
     plain = MLP(2, 2)
     with pytest.raises(TypeError, match="plain tensors"):
         st.compile_step(lambda: None, model=plain)
@@ -358,6 +374,8 @@ def test_refuses_what_it_cannot_trace_on_every_rank():
     assert caught[0][1].startswith("the step reads a tensor that is neither")
     assert caught[0][2].startswith("the step changes the optimizer state's 'calls'")
     assert caught[0][3].startswith("an argument of the step requires grad")
+    assert caught[0][4].startswith("this program holds some, and recording")
+    assert caught[0][5].startswith("here they are on ['cpu']")
 
 
 def _clipped_training(kind):

@@ -14,12 +14,15 @@ batch, the model running under ``implicit_replication`` (GPT-2's forward builds 
 ``model.forward`` through ``torch.compile(backend="inductor", fullgraph=True, dynamic=False)``; with CUDA graphs,
 ``mode="reduce-overhead"``; compile_step = the whole step (forward, backward, AdamW) as one Inductor program by
 ``sbp_torch.compile_step``, set beside plain step compiled: the plain step function (forward, backward, AdamW)
-through ``torch.compile``, which breaks its graph at the backward. Each variant's first three losses are compared
+through ``torch.compile``, which breaks its graph at the backward; compile_step + CUDA graphs = that program
+replayed as one CUDA graph (``cuda_graphs=True``, AdamW then ``capturable``), set beside plain compiled with CUDA
+graphs. Each variant's first three losses are compared
 with plain eager's; then steps are timed (CUDA synchronised before each clock read), median and quartiles. Each row
 is printed as it is measured, so that a run cut short still leaves what it had; a variant that fails is reported in
 its row.
 
-Target (the GPU issue): sbp_torch compiled with CUDA graphs within 1.02x of plain compiled with CUDA graphs.
+Target (the GPU issue): sbp_torch compiled with CUDA graphs within 1.02x of plain compiled with CUDA graphs, and
+sbp_torch eager within 1.05x of plain eager.
 Without a GPU the suite runs tiny models on the CPU (a smoke run: its times say nothing).
 """
 
@@ -48,10 +51,12 @@ VARIANTS = [
     ("sbp_torch", "compile_step"),
     ("plain", "compiled + CUDA graphs"),
     ("sbp_torch", "compiled + CUDA graphs"),
+    ("sbp_torch", "compile_step + CUDA graphs"),
 ]
 
 
-_SAME_WAY = {"compile_step": "step compiled"}  # the plain variant a variant is divided by, where it is not its own way
+# the plain variant a variant is divided by, where it is not its own way
+_SAME_WAY = {"compile_step": "step compiled", "compile_step + CUDA graphs": "compiled + CUDA graphs"}
 
 
 def config(cuda: bool, quick: bool) -> dict:
@@ -115,8 +120,8 @@ def _measure_variant(name: str, library: str, how: str, c: dict, device: str, ba
     torch._dynamo.reset()
     model, loss_of = make_model(name, c, device)
     model, lay_out, context = laid_out(library, model, device)
-    if how == "compile_step":
-        return _measure_whole_step(model, loss_of, lay_out, c, batches, sync)
+    if how.startswith("compile_step"):
+        return _measure_whole_step(model, loss_of, lay_out, c, batches, sync, cuda_graphs="CUDA graphs" in how)
     if how not in ("eager", "step compiled"):
         mode = "reduce-overhead" if "CUDA graphs" in how else None
         model.forward = torch.compile(model.forward, backend="inductor", fullgraph=True, dynamic=False, mode=mode)
@@ -140,12 +145,12 @@ def _measure_variant(name: str, library: str, how: str, c: dict, device: str, ba
     return {"first_steps_s": round(first_s, 2), "losses": losses, **stat}
 
 
-def whole_step(model, loss_of, lay_out, optimizer, backend):
+def whole_step(model, loss_of, lay_out, optimizer, backend, cuda_graphs=False):
     """The training step (batch layout, forward, backward, optimizer step) as one program by
-    ``sbp_torch.compile_step`` with ``backend``."""
+    ``sbp_torch.compile_step`` with ``backend`` (replayed as a CUDA graph with ``cuda_graphs``)."""
     import sbp_torch as st
 
-    @st.compile_step(model=model, optimizer=optimizer, backend=backend)
+    @st.compile_step(model=model, optimizer=optimizer, backend=backend, cuda_graphs=cuda_graphs)
     def step(ids):
         loss = loss_of(model, lay_out(ids))
         loss.backward()
@@ -156,11 +161,11 @@ def whole_step(model, loss_of, lay_out, optimizer, backend):
     return step
 
 
-def _measure_whole_step(model, loss_of, lay_out, c: dict, batches: list, sync) -> dict:
-    """``whole_step`` with Inductor (its first call runs eagerly, its second traces and compiles: both are in
-    ``first_steps_s``)."""
+def _measure_whole_step(model, loss_of, lay_out, c: dict, batches: list, sync, cuda_graphs: bool) -> dict:
+    """``whole_step`` with Inductor (its first call runs eagerly, its second traces and compiles, its third records
+    the CUDA graph where there is one: all are in ``first_steps_s``)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-    step = whole_step(model, loss_of, lay_out, optimizer, "inductor")
+    step = whole_step(model, loss_of, lay_out, optimizer, "inductor", cuda_graphs)
     start = time.perf_counter()
     losses = [float(_plain(step(ids)).detach()) for ids in batches]
     first_s = time.perf_counter() - start
@@ -201,7 +206,8 @@ def report(rows: list[dict]) -> str:
         f"{config.get('layers')} layers, hidden {config.get('hidden')}, sequence {config.get('seq')}, batch "
         f"{config.get('batch')}, vocabulary {config.get('vocab')}, float32, AdamW (foreach, eager). Step time: median "
         f"(quartiles) of {config.get('repeats')} steps. `/ plain, same way` divides by plain PyTorch run the same way "
-        "(eager, compiled, or compiled with CUDA graphs; compile_step: step compiled)."
+        "(eager, compiled, or compiled with CUDA graphs; compile_step: step compiled; compile_step + CUDA graphs: "
+        "compiled + CUDA graphs)."
     ]
     for name in MODELS:
         by = {(r["library"], r["how"]): r for r in rows if r.get("model", MODELS[-1]) == name}

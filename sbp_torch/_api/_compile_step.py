@@ -39,6 +39,7 @@ from torch.utils import _pytree as pytree
 from .. import _comm as comm
 from .._layout import device_draws_refused
 from .._tensor import GlobalTensor
+from . import _step_graph as step_graph
 from ._gradient_reducer import drop_pending_reductions
 
 # The optimizers whose capturable arithmetic takes a tensor learning rate (the others read it as a number)
@@ -140,9 +141,12 @@ class _Program:
 class CompiledStep:
     """A step function traced once per key into one program on the local parts (see ``compile_step``)."""
 
-    def __init__(self, fn, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], backend):
+    def __init__(self, fn, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], backend, cuda_graphs):
         self.fn, self.models, self.optimizers, self.backend = fn, models, optimizers, backend
+        self.cuda_graphs = cuda_graphs
         self._collect()
+        if cuda_graphs:
+            step_graph.keep_step_counts_on_the_device(optimizers)
         self.programs: OrderedDict = OrderedDict()
         self.lr_tensors: list[torch.Tensor] = []
         self.traces = 0
@@ -393,6 +397,11 @@ class CompiledStep:
                 gm = make_fx(program, tracing_mode="fake")(*examples)
             with _compiler_settings(self.backend):
                 run = _backend(self.backend)(gm, examples)
+            if self.cuda_graphs:
+                refused = step_graph.refusal(examples, comm.holds_collectives(gm))
+                if refused:
+                    raise StepNotTraceable(refused)
+                run = step_graph.GraphedProgram(run, fixed=len(groups) + len(present))
         except Exception as err:  # noqa: BLE001 - every cause is reported the same way, with its chain
             failure = err
             drop_pending_reductions()  # (a backward that stopped midway left its buckets)
@@ -644,14 +653,15 @@ def _compiler_settings(backend):
     return inductor.patch(bucket_all_reduces_fx="none", bucket_reduce_scatters_fx="none")
 
 
-def compile_step(fn=None, *, model, optimizer=None, backend="inductor"):
+def compile_step(fn=None, *, model, optimizer=None, backend="inductor", cuda_graphs=False):
     """Compile the training step ``fn`` as one program on this rank's parts (docs/compile.md, "Whole steps").
 
     ``model`` (a module laid out with ``Module.to_global``, or a list of them) and ``optimizer`` (one, a list or
     None) hold the state the step reads and writes: parameters, gradients, buffers and optimizer state. ``fn`` may
     take tensors (plain or global: the batch; its ``to_global`` runs inside the program) and hashable values, and
     returns tensors, nested in lists, tuples or dicts. ``backend`` is a ``torch.compile`` backend name or callable
-    (``None``: run the traced graph as it is).
+    (``None``: run the traced graph as it is). ``cuda_graphs=True`` replays each program as one CUDA graph
+    (``_step_graph.py``): per call, one launch instead of the program's kernels.
 
     What a user may rely on:
 
@@ -676,11 +686,15 @@ def compile_step(fn=None, *, model, optimizer=None, backend="inductor"):
     * A step that reads a value (``loss.item()``), or a tensor that is not an argument, a parameter, a buffer or
       optimizer state, or changes a number the optimizer keeps in Python, or takes an argument that requires
       grad, raises ``StepNotTraceable`` on every rank; so does drawing random global tensors on CUDA.
+    * With ``cuda_graphs=True`` a program runs as it is on its first call, and is recorded as a CUDA graph and
+      replayed from its second: the step's results are copies, kept across calls. It needs the state and the
+      tensor arguments on one CUDA device and a program without collectives (a one-rank placement, or layouts that
+      need none); else the trace raises ``StepNotTraceable`` on every rank.
     """
     if fn is None:
-        return lambda f: compile_step(f, model=model, optimizer=optimizer, backend=backend)
+        return lambda f: compile_step(f, model=model, optimizer=optimizer, backend=backend, cuda_graphs=cuda_graphs)
     if not dist.is_initialized():
         raise RuntimeError("compile_step needs the default process group (sbp_torch.init_process_group)")
     models = list(model) if isinstance(model, (list, tuple)) else [model]
     optimizers = [] if optimizer is None else list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
-    return CompiledStep(fn, models, optimizers, backend)
+    return CompiledStep(fn, models, optimizers, backend, cuda_graphs)

@@ -16,7 +16,15 @@ from ._collectives import (
     start_gather_rows,
     start_reduce_scatter_parts,
 )
-from ._compiled import RanksDisagree, check_program, compiling, gather_call_facts, note_placement, tracing_program
+from ._compiled import (
+    RanksDisagree,
+    check_program,
+    compiling,
+    gather_call_facts,
+    holds_collectives,
+    note_placement,
+    tracing_program,
+)
 from ._faults import (
     CollectiveError,
     caller_stops_one_rank_failures,

@@ -231,6 +231,11 @@ def _keeps(node) -> bool:
     return getattr(node.target, "namespace", None) == "_c10d_functional" or node.is_impure()
 
 
+def holds_collectives(gm) -> bool:
+    """Whether the traced program ``gm`` issues any collective."""
+    return any(getattr(node.target, "namespace", None) == "_c10d_functional" for node in gm.graph.nodes)
+
+
 def _collectives_of(gm) -> list[Traced]:
     """The collectives of a partitioned graph, in its order, in the form of the check of traced programs."""
     found = []

@@ -1,0 +1,86 @@
+"""A compiled step's program replayed as one CUDA graph (``compile_step(..., cuda_graphs=True)``).
+
+A program of ``compile_step`` takes the learning rates, the state (parameters, gradients, buffers, optimizer state,
+updated in place) and the parts of the step's tensor arguments. The first two are the same tensors call after call,
+so a CUDA graph recorded over them stays valid: per call only the arguments are copied into the graph's own
+tensors, and one launch replaces the program's hundreds. The graph's outputs are rewritten by every replay, so
+they are handed out as copies that a caller may keep.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+
+
+class GraphedProgram:
+    """``run`` (a compiled program: ``fixed`` leading inputs that keep their tensors from call to call, then the
+    arguments) run once as it is, so that its kernels are loaded and tuned, then recorded as a CUDA graph and
+    replayed. Where a fixed input is held by another tensor than at the recording (a loaded state dict), the graph
+    is recorded again (the old one, and its memory, let go first)."""
+
+    def __init__(self, run, fixed: int):
+        self.run, self.fixed_count = run, fixed
+        self.warmed = False
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.fixed: list = []
+        self.arguments: list[torch.Tensor] = []
+        self.outputs: list[torch.Tensor] = []
+
+    def __call__(self, *flat):
+        fixed, arguments = flat[: self.fixed_count], flat[self.fixed_count :]
+        if self.graph is None or not all(map(operator.is_, fixed, self.fixed)):
+            if not self.warmed:
+                self.warmed = True
+                return self.run(*flat)
+            self._record(fixed, arguments)
+        for mine, given in zip(self.arguments, arguments):
+            mine.copy_(given)
+        self.graph.replay()
+        return [output.clone() for output in self.outputs]
+
+    def _record(self, fixed, arguments) -> None:
+        """Record the program over ``fixed`` and copies of ``arguments`` (its work is not done: the caller
+        replays)."""
+        self.graph, self.outputs = None, []  # (a recording that fails leaves nothing to replay)
+        self.fixed, self.arguments = list(fixed), [a.clone() for a in arguments]
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: a process group's watchdog thread may query its events while this thread records
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            self.outputs = list(self.run(*self.fixed, *self.arguments))
+        self.graph = graph
+
+
+def keep_step_counts_on_the_device(optimizers) -> None:
+    """Set ``capturable=True`` on the optimizers' parameter groups that have the setting (Adam, AdamW, ...), so
+    that they keep their step counts on the parameters' device: a count on the host is advanced by the host, which
+    a replayed graph does not run. Counts already on the host move to their parameter's device. (Groups with
+    parameters off CUDA are left alone: such a program is refused when traced, by ``refusal``.)"""
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            if "capturable" not in group or any(p.device.type != "cuda" for p in group["params"]):
+                continue
+            group["capturable"] = True
+            for param in group["params"]:
+                state = optimizer.state.get(param, {})
+                count = state.get("step")
+                if isinstance(count, torch.Tensor) and count.device != param.device:
+                    state["step"] = count.to(param.device)
+
+
+def refusal(examples: list, collectives: bool) -> str | None:
+    """Why a program with inputs ``examples`` cannot be replayed as a CUDA graph (None: it can)."""
+    if collectives:
+        return (
+            "compile_step(cuda_graphs=True) replays programs without collectives (a one-rank placement, or layouts "
+            "that need none); this program holds some, and recording a process group's collectives into a CUDA "
+            "graph is not checked here: run it with cuda_graphs=False"
+        )
+    devices = {t.device for t in examples if isinstance(t, torch.Tensor)}
+    if not devices or any(d.type != "cuda" for d in devices) or len(devices) > 1:
+        return (
+            "compile_step(cuda_graphs=True) needs the step's state and tensor arguments on one CUDA device; here "
+            f"they are on {sorted(map(str, devices)) or 'no device'}"
+        )
+    return None
