@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import time
 
 import torch
@@ -173,6 +174,20 @@ def _measure_whole_step(model, loss_of, lay_out, c: dict, batches: list, sync, c
     return {"first_steps_s": round(first_s, 2), "losses": losses, **stat}
 
 
+def _chosen() -> list[tuple[str, str, str]]:
+    """The (model, library, how) to measure, in order: all, or those ``GPT_CUDA_ONLY`` names (``model:library:how``,
+    comma-separated), to measure again what a run cut short."""
+    only = os.environ.get("GPT_CUDA_ONLY")
+    every = [(name, library, how) for name in MODELS for library, how in VARIANTS]
+    if not only:
+        return every
+    wanted = [tuple(item.split(":")) for item in only.split(",")]
+    unknown = [w for w in wanted if w not in every]
+    if unknown:
+        raise ValueError(f"GPT_CUDA_ONLY names no variant of the suite: {unknown}")
+    return wanted
+
+
 def measure(world: int, quick: bool) -> list[dict]:
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
@@ -180,23 +195,18 @@ def measure(world: int, quick: bool) -> list[dict]:
     generator = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, c["vocab"], (c["batch"], c["seq"]), generator=generator).to(device) for _ in range(3)]
     sync = torch.cuda.synchronize if cuda else None
-    rows = []
-    for name in MODELS:
-        reference = None
-        for library, how in VARIANTS:
-            row = {"model": name, "library": library, "how": how, "config": c}
-            try:
-                row.update(_measure_variant(name, library, how, c, device, batches, sync))
-            except Exception as err:  # noqa: BLE001 - a variant that fails is reported, the others still run
-                row["error"] = f"{type(err).__name__}: {err}"[:300]
-            reference = reference or row.get("losses")
-            if "losses" in row:
-                row["max_loss_rel_diff"] = max(abs(a - b) / abs(b) for a, b in zip(row["losses"], reference))
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-            torch._dynamo.reset()
-            if cuda:
-                torch.cuda.empty_cache()
+    rows, code = [], harness.code_state()
+    for name, library, how in _chosen():
+        row = {"model": name, "library": library, "how": how, "config": c, "code": code}
+        try:
+            row.update(_measure_variant(name, library, how, c, device, batches, sync))
+        except Exception as err:  # noqa: BLE001 - a variant that fails is reported, the others still run
+            row["error"] = f"{type(err).__name__}: {err}"[:300]
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        torch._dynamo.reset()
+        if cuda:
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -210,20 +220,35 @@ def report(rows: list[dict]) -> str:
         "compiled + CUDA graphs)."
     ]
     for name in MODELS:
-        by = {(r["library"], r["how"]): r for r in rows if r.get("model", MODELS[-1]) == name}
-        if not by:
+        measured = [r for r in rows if r.get("model", MODELS[-1]) == name]
+        if not measured:
             continue
+        shown = {}
+        for r in measured:
+            shown.setdefault((r["library"], r["how"]), r)
+
+        def plain(r, how):  # plain PyTorch run ``how``, in the same run as ``r``: ratios never cross runs
+            same = [p for p in measured if (p["library"], p["how"]) == ("plain", how)]
+            return next((p for p in same if p.get("run", 1) == r.get("run", 1)), None)
+
         table = []
         for library, how in VARIANTS:
-            r = by.get((library, how))
+            r = shown.get((library, how))
             if r is None or "error" in r:
                 table.append([library, how, r["error"] if r else "not measured", "—", "—", "—", "—"])
                 continue
+            eager = plain(r, "eager")
+            diff = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], eager["losses"])) if eager else None
             table.append([
-                library, how, harness.fmt(r, "ms"), harness.ratio(r, by.get(("plain", _SAME_WAY.get(how, how)))),
-                harness.ratio(r, by.get(("plain", "eager"))), f"{r['first_steps_s']:.1f} s",
-                f"{r['max_loss_rel_diff']:.1e}",
+                library, how + (f" (run {r['run']})" if r.get("run", 1) > 1 else ""), harness.fmt(r, "ms"),
+                harness.ratio(r, plain(r, _SAME_WAY.get(how, how))), harness.ratio(r, eager),
+                f"{r['first_steps_s']:.1f} s", "—" if diff is None else f"{diff:.1e}",
             ])  # fmt: skip
         header = ["library", "how", "step", "/ plain, same way", "/ plain eager", "first 3 steps", "loss rel. diff"]
         parts += [f"### {name}", harness.markdown_table(header, table)]
+    if any(r.get("run", 1) > 1 for r in rows):
+        parts.insert(1, (
+            "Rows marked (run 2) were measured by a second run on another machine of the same kind (`GPT_CUDA_ONLY`), "
+            "which measured again the plain rows they are divided by; a ratio divides rows of one run."
+        ))  # fmt: skip
     return "\n\n".join(parts)

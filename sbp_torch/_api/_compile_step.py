@@ -56,6 +56,7 @@ _TRACES_PER_STEP = 16  # a step traced more often than this is re-laid out every
 _KEYS_KEPT = 8  # traced programs kept per step (one per argument shape, in a loop with a few)
 _MADE = count()  # steps made so far in this process: each rank makes its steps in the same order
 _PORTABLE = (bool, int, float, complex, str, type(None))  # values whose pickle means the same on every rank
+_TORCH_RELEASE = tuple(int(n) for n in torch.__version__.split(".")[:2])
 _grad_of = torch._C.TensorBase.grad.__get__
 _training = operator.attrgetter("training")
 _local_of = operator.attrgetter("_local")
@@ -645,12 +646,18 @@ def _backend(backend):
 
 def _compiler_settings(backend):
     """The traced program already holds the gradient buckets the reducer formed: Inductor's bucketing passes, which
-    group collectives by their sizes (which differ between ranks holding uneven parts), stay off for it."""
+    group collectives by their sizes (which differ between ranks holding uneven parts), stay off for it. Before
+    torch 2.13, Inductor's loop reordering after fusion fails an assertion on some fused nodes of a whole step's
+    program on CUDA (``FusedSchedulerNode.reorder_loops_by_dep_pair``; 2.13 declines to reorder them instead): off
+    there."""
     if backend != "inductor":
         return contextlib.nullcontext()
     import torch._inductor.config as inductor
 
-    return inductor.patch(bucket_all_reduces_fx="none", bucket_reduce_scatters_fx="none")
+    settings = dict(bucket_all_reduces_fx="none", bucket_reduce_scatters_fx="none")
+    if _TORCH_RELEASE < (2, 13):
+        settings["loop_ordering_after_fusion"] = False
+    return inductor.patch(**settings)
 
 
 def compile_step(fn=None, *, model, optimizer=None, backend="inductor", cuda_graphs=False):
