@@ -219,6 +219,10 @@ def report(rows: list[dict]) -> str:
         "(eager, compiled, or compiled with CUDA graphs; compile_step: step compiled; compile_step + CUDA graphs: "
         "compiled + CUDA graphs)."
     ]
+    codes = {r.get("run", 1): r["code"] for r in rows if "code" in r}
+    if codes:
+        runs = ", ".join(f"{code} (run {run})" for run, code in sorted(codes.items()))
+        parts[0] += f" Code measured: {next(iter(codes.values())) if len(codes) == 1 else runs}."
     for name in MODELS:
         measured = [r for r in rows if r.get("model", MODELS[-1]) == name]
         if not measured:
