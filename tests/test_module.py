@@ -289,3 +289,34 @@ def test_foreach_ops_whose_indices_run_locally_become_one_local_call():
     training tests above."""
     ops = run_on_world(2, _foreach_runs_as_one_call)[0]
     assert "aten._foreach_lerp_.Scalar" in ops and "aten._foreach_addcdiv_.ScalarList" in ops, ops
+
+
+def _gradient_layouts() -> list:
+    """(name, the plain gradient's strides, the global gradient part's, the largest difference of their values) of
+    a tiny transformers GPT-2, whose output layer is its embedding's weight, tied through ``t()``, after two steps
+    with gradients set to None between them."""
+    from benchmarks.suites import gpt_cuda
+
+    c = gpt_cuda.config(cuda=False, quick=True)
+    ids = torch.randint(0, c["vocab"], (c["batch"], c["seq"]), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for library in ("plain", "sbp_torch"):
+        model, loss_of = gpt_cuda.make_model("transformers GPT-2", c, "cpu")
+        model, lay_out, _ = gpt_cuda.laid_out(library, model, "cpu")
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            loss_of(model, lay_out(ids)).backward()
+        grads.append({n: p.grad.to_local() if library == "sbp_torch" else p.grad for n, p in model.named_parameters()})
+    plain, laid_out = grads
+    return [(n, plain[n].stride(), laid_out[n].stride(), float((plain[n] - laid_out[n]).abs().max())) for n in plain]
+
+
+def test_gradients_take_their_parameters_layout():
+    """As torch's AccumulateGrad gives a plain gradient its parameter's strides, so the parts of global gradients
+    (a transposed part would send every foreach op of the optimizer down its per-tensor path on CUDA)."""
+    pytest.importorskip("transformers")
+    (layouts,) = run_on_world(1, _gradient_layouts, _timeout=300)
+    assert any(name == "transformer.wte.weight" for name, *_ in layouts)
+    for name, plain, laid_out, difference in layouts:
+        assert laid_out == plain, f"{name}: the gradient's part has strides {laid_out}, the plain gradient {plain}"
+        assert difference < 1e-5, name

@@ -55,6 +55,7 @@ class GradientReducer:
         if grad._meta.sbp == target:
             if grad._meta is not param._meta and grad._meta == param._meta:
                 grad._meta = param._meta  # (the same metadata, as one object: see ``_reduced_meta``)
+            grad._local = _in_layout_of(grad._local, param._local)
             return
         shape = grad._meta.placement.shape
         # (a step along an axis of one rank leaves the part as it is: on one rank, data parallelism moves nothing)
@@ -62,7 +63,7 @@ class GradientReducer:
         scatter = len(steps) == 1 and steps[0].collective == "reduce-scatter"
         if not steps or (not scatter and not all(step.collective == "all-reduce" for step in steps)):
             local = box_local(grad._local, grad._meta, target) if steps else grad._local
-            param.grad = GlobalTensor(local, _reduced_meta(param, grad._meta, target))
+            param.grad = GlobalTensor(_in_layout_of(local, param._local), _reduced_meta(param, grad._meta, target))
             return
         route = tuple((s.axis, s.src) for s in steps)
         # all-reduce buckets share a target layout; reduce-scatter buckets mix them (each part is cut alone)
@@ -125,6 +126,16 @@ class GradientReducer:
                 part = flat[offset : offset + local.numel()].view(local.shape)
                 offset += local.numel()
                 p.grad = GlobalTensor(part, _reduced_meta(p, p.grad._meta, target))
+
+
+def _in_layout_of(part: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``part``, or a copy of it with the strides of ``like`` (the parameter's part) where they differ, as torch's
+    AccumulateGrad gives a plain gradient its parameter's strides. A wrapper's strides are its logical ones, so
+    AccumulateGrad does not see a transposed part (the gradient of a weight tied through ``t()``); left so, it
+    would make every foreach op of the optimizer take its per-tensor path on CUDA, for all the parameters."""
+    if part.stride() == like.stride() or part.shape != like.shape:
+        return part
+    return torch.empty_like(like).copy_(part)
 
 
 def _reduced_meta(param: nn.Parameter, meta, target):
