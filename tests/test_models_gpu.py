@@ -175,13 +175,14 @@ def test_a_global_step_compiles_on_one_gpu():
 
 def graphed_whole_step() -> tuple:
     """(one process's losses, those of ``compile_step(cuda_graphs=True)`` on a one-rank placement, the loss a
-    replay returned, read again after later replays, the graphs recorded): eight steps, the optimizer's state
-    reloaded (held by new tensors: recorded again) before the last two."""
+    replay returned, read again after later replays, the count the step kept in an argument, the graphs recorded):
+    eight steps on batches sliced with gaps (``[:, :-1]``), the optimizer's state reloaded (held by new tensors:
+    recorded again, ``capturable`` set back and made again) before the last two."""
     import sbp_torch as st
     from sbp_torch._api._step_graph import GraphedProgram
     from sbp_torch.sbp import broadcast, split
 
-    batches = _batches(rows=8) * 2 + _batches(rows=8)[:2]
+    batches = [ids[:, :-1] for ids in _batches(rows=8) * 2 + _batches(rows=8)[:2]]
     placement = st.placement("cuda", [0])
     runs = []
     for laid_out in (False, True):
@@ -189,14 +190,16 @@ def graphed_whole_step() -> tuple:
         if laid_out:
             model.to_global(placement)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+        count = torch.zeros((), device="cuda")
 
-        def step(ids):
+        def step(ids, count):
             if laid_out:
                 ids = ids.to_global(placement, broadcast).to_global(sbp=split(0))
             loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=False)
+            count.add_(1)  # (written into an argument: copied back from the graph's own)
             return loss
 
         if laid_out:
@@ -204,15 +207,19 @@ def graphed_whole_step() -> tuple:
         losses = []
         for i, ids in enumerate(batches):
             if i == 6:
-                optimizer.load_state_dict(optimizer.state_dict())
-            losses.append(step(ids))
+                state = optimizer.state_dict()
+                for group in state["param_groups"]:
+                    group["capturable"] = False  # (as a checkpoint of an eager run has it)
+                optimizer.load_state_dict(state)
+            losses.append(step(ids, count))
         runs.append([float((loss.full_tensor() if laid_out else loss).detach()) for loss in losses])
     graphs = [p.run for p in step.programs.values() if isinstance(p.run, GraphedProgram) and p.run.graph is not None]
-    return runs[0], runs[1], float(losses[3].full_tensor()), len(graphs)
+    return runs[0], runs[1], float(losses[3].full_tensor()), float(count), len(graphs)
 
 
 def test_a_whole_step_replayed_as_a_cuda_graph_matches_one_process():
-    ((want, got, kept, graphs),) = run_on_world(1, graphed_whole_step, _timeout=600)
+    ((want, got, kept, count, graphs),) = run_on_world(1, graphed_whole_step, _timeout=600)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     assert kept == got[3], "a result of a replay was overwritten by a later one"
+    assert count == len(got), "a write into an argument was lost"
     assert graphs == 1

@@ -144,7 +144,7 @@ class CompiledStep:
 
     def __init__(self, fn, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], backend, cuda_graphs):
         self.fn, self.models, self.optimizers, self.backend = fn, models, optimizers, backend
-        self.cuda_graphs = cuda_graphs
+        self.cuda_graphs, self.graph_pool = cuda_graphs, None
         self._collect()
         if cuda_graphs:
             step_graph.keep_step_counts_on_the_device(optimizers)
@@ -247,6 +247,8 @@ class CompiledStep:
             self.called, self.calls = True, 1
             self._collect()
             return result
+        if self.cuda_graphs and not all(g.get("capturable", True) for g in self._groups()):
+            step_graph.keep_step_counts_on_the_device(self.optimizers)  # (a loaded state dict set it back)
         if not kwargs and all(isinstance(a, torch.Tensor) for a in args):  # (the common call, without pytree)
             leaves, spec = args, len(args)
         else:
@@ -396,13 +398,15 @@ class CompiledStep:
             _refuse_before_tracing(self.traces, arg_leaves)
             with _restored(self, holders, values), comm.tracing_program() as agreed, device_draws_refused():
                 gm = make_fx(program, tracing_mode="fake")(*examples)
+            if self.cuda_graphs:  # (before the backend's compilation, the long part)
+                _refuse(step_graph.refusal_of_program(comm.holds_collectives(gm)))
+                _refuse(step_graph.refusal_of_inputs(examples, [_part(a) for a in arg_leaves]))
             with _compiler_settings(self.backend):
                 run = _backend(self.backend)(gm, examples)
             if self.cuda_graphs:
-                refused = step_graph.refusal(examples, comm.holds_collectives(gm))
-                if refused:
-                    raise StepNotTraceable(refused)
-                run = step_graph.GraphedProgram(run, fixed=len(groups) + len(present))
+                if self.graph_pool is None:  # (one pool for the step's programs: they replay one at a time)
+                    self.graph_pool = torch.cuda.graph_pool_handle()
+                run = step_graph.GraphedProgram(run, len(groups) + len(present), self.graph_pool)
         except Exception as err:  # noqa: BLE001 - every cause is reported the same way, with its chain
             failure = err
             drop_pending_reductions()  # (a backward that stopped midway left its buckets)
@@ -447,6 +451,11 @@ def _what_changed(key: tuple, programs: OrderedDict) -> str:
 def _differences(key: tuple, other: tuple) -> str | None:
     """The parts in which two keys of programs differ, in words (None: in none)."""
     return " and ".join(part for part, a, b in zip(_KEY_PARTS, key, other) if a != b) or None
+
+
+def _refuse(why: str | None) -> None:
+    if why is not None:
+        raise StepNotTraceable(why)
 
 
 def _refuse_before_tracing(traces: int, arg_leaves: list) -> None:

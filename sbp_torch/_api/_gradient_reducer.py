@@ -133,9 +133,24 @@ def _in_layout_of(part: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     AccumulateGrad gives a plain gradient its parameter's strides. A wrapper's strides are its logical ones, so
     AccumulateGrad does not see a transposed part (the gradient of a weight tied through ``t()``); left so, it
     would make every foreach op of the optimizer take its per-tensor path on CUDA, for all the parameters."""
-    if part.stride() == like.stride() or part.shape != like.shape:
-        return part
-    return torch.empty_like(like).copy_(part)
+    if part.shape != like.shape or _same_strides(part, like) or not _dense(like):
+        return part  # (empty_like keeps the strides of a dense tensor only)
+    return torch.empty_like(like, dtype=part.dtype).copy_(part)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill its memory without gaps or overlaps, in some order of its dims."""
+    expected = 1
+    for stride, size in sorted((s, n) for n, s in zip(t.shape, t.stride()) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _same_strides(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` (of one shape) lay out their elements alike (a dim of size 1 has any stride)."""
+    return all(n == 1 or x == y for n, x, y in zip(a.shape, a.stride(), b.stride()))
 
 
 def _reduced_meta(param: nn.Parameter, meta, target):

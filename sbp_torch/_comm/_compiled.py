@@ -233,7 +233,7 @@ def _keeps(node) -> bool:
 
 def holds_collectives(gm) -> bool:
     """Whether the traced program ``gm`` issues any collective."""
-    return any(getattr(node.target, "namespace", None) == "_c10d_functional" for node in gm.graph.nodes)
+    return any(getattr(node.target, "namespace", None) in ("_c10d_functional", "c10d") for node in gm.graph.nodes)
 
 
 def _collectives_of(gm) -> list[Traced]:
