@@ -120,6 +120,41 @@ def test_repr_runs_no_collective():
         torch.testing.assert_close(full, torch.cat([torch.arange(6.0).reshape(3, 2)] * 2))
 
 
+def sync_data_body():
+    """``sync_data=False``: a broadcast (or broadcast-then-split) tensor from each rank's own part, nothing sent,
+    eagerly and compiled; the gradient against one process; a global input refused."""
+    from strict_check import recording_collectives
+
+    rank, p = dist.get_rank(), st.placement("cpu", [0, 1])
+    x = torch.arange(6.0).reshape(3, 2).requires_grad_()
+    weight = torch.tensor([[1.0, -2.0]] * 3)
+    with recording_collectives("broadcast", "all_gather", "all_reduce") as sent:
+        g = x.to_global(p, broadcast, check_meta=False, sync_data=False)
+        rows = g.to_global(sbp=split(0))
+    unsynced = torch.full((2,), float(rank)).to_global(p, broadcast, check_meta=False, sync_data=False)
+    compiled = torch.compile(
+        lambda t: t.to_global(p, broadcast, check_meta=False, sync_data=False) * 2, backend="aot_eager"
+    )(x.detach())
+    (g * weight.to_global(p, broadcast, check_meta=False, sync_data=False)).sum().backward()
+    try:
+        g.detach().to_global(sbp=split(0), sync_data=False)
+        refused = None
+    except ValueError as err:
+        refused = str(err)
+    return sent, rows.to_local().detach(), unsynced.to_local(), compiled.full_tensor(), x.grad, refused
+
+
+def test_sync_data_false_takes_each_rank_s_own_part():
+    for rank, (sent, rows, unsynced, compiled, grad, refused) in enumerate(run_on_world(2, sync_data_body)):
+        assert sent == [], sent
+        full = torch.arange(6.0).reshape(3, 2)
+        torch.testing.assert_close(rows, full[:2] if rank == 0 else full[2:])
+        torch.testing.assert_close(unsynced, torch.full((2,), float(rank)))  # the promise broken: not repaired
+        torch.testing.assert_close(compiled, full * 2)
+        torch.testing.assert_close(grad, torch.tensor([[1.0, -2.0]] * 3))  # one process's gradient
+        assert "sync_data=False applies to a local tensor" in refused
+
+
 # ---------------------------------------------------------------------------------------------------------
 # local -> global semantics (uneven and unbalanced parts, nested splits, broadcast, partial), with gradients
 

@@ -18,23 +18,23 @@ from .._tensor import GlobalTensor, from_whole, full_tensor, gradient, has_extre
 
 class _FromLocal(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, local: torch.Tensor, meta: GlobalMeta, shapes: dict | None):
+    def forward(ctx, local: torch.Tensor, meta: GlobalMeta, shapes: dict | None, sync_data: bool = True):
         ctx.meta, ctx.shapes = meta, shapes
         ctx.input_shape, ctx.input_dtype = local.shape, local.dtype
         if shapes is None:  # every rank holds the whole value: each keeps its region, nothing moves
             return from_whole(local.detach(), meta)
         # The tie shares of P(max|min) axes come from this rank's own values, re-cut to the balanced region.
         ctx.saved_local = _assemble(local.detach(), meta, shapes, take_first=False) if has_extreme(meta) else None
-        return GlobalTensor(_assemble(local.detach(), meta, shapes), meta)
+        return GlobalTensor(_assemble(local.detach(), meta, shapes, take_first=sync_data), meta)
 
     @staticmethod
     def backward(ctx, grad):
         if ctx.shapes is None:
-            return full_tensor(grad), None, None
+            return full_tensor(grad), None, None, None
         part = _to_parts(gradient(grad, ctx.meta, ctx.saved_local), ctx.shapes)
         if ctx.meta.placement.local_coord() is None:  # outside the placement: x was not used
             part = torch.zeros(ctx.input_shape, dtype=ctx.input_dtype, device=part.device)
-        return part, None, None
+        return part, None, None, None
 
 
 def _split_axes(sbp: tuple[SbpType, ...], dim: int) -> list[int]:
@@ -116,7 +116,7 @@ def _to_parts(g: GlobalTensor, shapes: dict) -> torch.Tensor:
     return local
 
 
-def _from_local(x: torch.Tensor, p: Placement, sbp, check_meta: bool) -> GlobalTensor:
+def _from_local(x: torch.Tensor, p: Placement, sbp, check_meta: bool, sync_data: bool) -> GlobalTensor:
     if not isinstance(p, Placement):
         raise TypeError(f"to_global: placement must be an sbp_torch.placement, got {type(p).__name__}")
     if not dist.is_initialized():
@@ -141,7 +141,7 @@ def _from_local(x: torch.Tensor, p: Placement, sbp, check_meta: bool) -> GlobalT
     sbp = normalize_sbp(sbp, p, ndim, x.dtype)
     shape = _logical_shape(p, sbp, shapes) if shapes else tuple(x.shape)
     comm.ensure_groups(p)
-    return _FromLocal.apply(x, GlobalMeta(shape, x.dtype, p, sbp), shapes)
+    return _FromLocal.apply(x, GlobalMeta(shape, x.dtype, p, sbp), shapes, sync_data)
 
 
 # Dynamo's guards see this rank's part alone, so a compiled graph would keep the other ranks' parts it was compiled
@@ -158,8 +158,8 @@ def _exchanges(sbp, check: bool | None) -> bool:
 
 
 @torch.compiler.disable(reason=_PARTS_AT_EACH_CALL)
-def _from_parts_at_each_call(x, placement, sbp, check_meta):
-    return to_global(x, placement, sbp, check_meta=check_meta)
+def _from_parts_at_each_call(x, placement, sbp, check_meta, sync_data):
+    return to_global(x, placement, sbp, check_meta=check_meta, sync_data=sync_data)
 
 
 _COMPILED_MOVE = "inside a compiled program, with a gradient: move it outside the compiled function, or detach it"
@@ -173,12 +173,21 @@ def from_replica(value: torch.Tensor, placement: Placement, sbp) -> GlobalTensor
     return _FromLocal.apply(value, GlobalMeta(tuple(value.shape), value.dtype, placement, sbp), None)
 
 
-def to_global(x: torch.Tensor, placement: Placement | None = None, sbp=None, *, check_meta: bool | None = None):
+def to_global(
+    x: torch.Tensor,
+    placement: Placement | None = None,
+    sbp=None,
+    *,
+    check_meta: bool | None = None,
+    sync_data: bool = True,
+):
     """Make ``x`` a global tensor on ``placement`` with ``sbp``, OneFlow style.
 
     * local -> global: ``x`` is this rank's part. For split, the logical tensor is the concatenation of all
-      parts (uneven allowed); for broadcast, the first rank's ``x``; for partial, the reduction of all ``x``.
-      ``check_meta`` (default True here) verifies that all ranks passed the same placement, SBP and dtype.
+      parts (uneven allowed); for broadcast, the first rank's ``x``, sent to the others (``sync_data=False``:
+      each rank's own ``x``, which the caller promises is the same on every rank of the broadcast axes: nothing
+      is sent, as OneFlow's ``sync_data=False`` and DTensor's ``from_local``); for partial, the reduction of all
+      ``x``. ``check_meta`` (default True here) verifies that all ranks passed the same placement, SBP and dtype.
     * global -> global: boxes ``x`` to ``sbp`` (default: unchanged) with the cheapest collectives; to another
       ``placement`` by point-to-point sends of the slices each destination rank needs.
 
@@ -187,15 +196,17 @@ def to_global(x: torch.Tensor, placement: Placement | None = None, sbp=None, *, 
     """
     if is_dynamo_compiling() and isinstance(x, torch.Tensor):
         if not isinstance(x, GlobalTensor) and _exchanges(sbp, check_meta) and dist.get_world_size() > 1:
-            return _from_parts_at_each_call(x, placement, sbp, check_meta)
+            return _from_parts_at_each_call(x, placement, sbp, check_meta, sync_data)
         # Dynamo records ``x.to_global(...)`` as one call of the method, which AOTAutograd runs through the
         # dispatcher; it cannot trace this body (process-group caches, placements as keys), which it inlines
         # where the call comes as a function: written so, or passed on by a torch function mode (Dynamo, when
         # imported after sbp_torch, takes the method for one of torch's and hands it to the modes; eager never
         # does). Called as the method, with that mode off while it handles the call, it is recorded (or handed
         # to the next mode, which comes back here).
-        return x.to_global(placement, sbp, check_meta=check_meta)
+        return x.to_global(placement, sbp, check_meta=check_meta, sync_data=sync_data)
     if isinstance(x, GlobalTensor):
+        if not sync_data:
+            raise ValueError("to_global: sync_data=False applies to a local tensor (this rank's part); x is global")
         if placement is not None and placement != x.placement:
             dst_meta = cross_target(x._meta, placement, sbp)  # checked before any data moves
             if compiling() and x.requires_grad and set(x.placement.flat_ranks) != set(placement.flat_ranks):
@@ -213,4 +224,4 @@ def to_global(x: torch.Tensor, placement: Placement | None = None, sbp=None, *, 
         raise TypeError(f"to_global takes a tensor, got {type(x).__name__}")
     if placement is None or sbp is None:
         raise ValueError("to_global on a local tensor needs both placement and sbp")
-    return _from_local(x, placement, sbp, True if check_meta is None else check_meta)
+    return _from_local(x, placement, sbp, True if check_meta is None else check_meta, sync_data)
