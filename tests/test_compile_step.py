@@ -361,6 +361,17 @@ def _refusals():
         with pytest.raises(st.StepNotTraceable) as err:
             step(x)
         caught.append(str(err.value).split(";", 1)[1].strip()[:48])
+
+    # arguments: an expand()ed one cannot be copied into the graph's own; a slice with gaps can (then: the device)
+    def lays_out(x):
+        return graphed(x.to_global(placement, (B,), check_meta=False, sync_data=False))
+
+    for rows in (torch.randn(1, 4).expand(3, 4), torch.randn(3, 5)[:, 1:]):
+        step = st.compile_step(lays_out, model=net, optimizer=net_optimizer, backend=None, cuda_graphs=True)
+        step(rows)
+        with pytest.raises(st.StepNotTraceable) as err:
+            step(rows)
+        caught.append(str(err.value).split(";", 1)[1].strip()[:48])
     plain = MLP(2, 2)
     with pytest.raises(TypeError, match="plain tensors"):
         st.compile_step(lambda: None, model=plain)
@@ -376,6 +387,8 @@ def test_refuses_what_it_cannot_trace_on_every_rank():
     assert caught[0][3].startswith("an argument of the step requires grad")
     assert caught[0][4].startswith("this program holds some, and recording")
     assert caught[0][5].startswith("here they are on ['cpu']")
+    assert caught[0][6].startswith("an argument whose elements share memory"), caught[0][6]
+    assert caught[0][7].startswith("here they are on ['cpu']"), caught[0][7]
 
 
 def _clipped_training(kind):

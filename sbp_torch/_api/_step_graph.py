@@ -94,21 +94,32 @@ def keep_step_counts_on_the_device(optimizers) -> bool:
 def refusal_of_inputs(examples: list, arguments: list) -> str | None:
     """Why a program with inputs ``examples`` (learning rates, state, then ``arguments``) cannot be replayed as a
     CUDA graph (None: it can, as far as its inputs tell)."""
-    devices = {t.device for t in examples if isinstance(t, torch.Tensor)}
-    if not devices or any(d.type != "cuda" for d in devices) or len(devices) > 1:
-        return (
-            "compile_step(cuda_graphs=True) needs the step's state and tensor arguments on one CUDA device; here "
-            f"they are on {sorted(map(str, devices)) or 'no device'}"
-        )
     # (an argument is copied into a tensor of its strides: one whose elements share memory, expand()ed, has none)
-    overlapping = [a for a in arguments if torch._debug_has_internal_overlap(a) != 0]
+    overlapping = [a for a in arguments if _may_overlap(a)]
     if overlapping:
         return (
             "compile_step(cuda_graphs=True) copies the step's arguments into the graph's own tensors, of the same "
             f"strides; an argument whose elements share memory (shape {tuple(overlapping[0].shape)}, strides "
             f"{overlapping[0].stride()}: an expand()) cannot be copied so: pass it contiguous"
         )
+    devices = {t.device for t in examples if isinstance(t, torch.Tensor)}
+    if not devices or any(d.type != "cuda" for d in devices) or len(devices) > 1:
+        return (
+            "compile_step(cuda_graphs=True) needs the step's state and tensor arguments on one CUDA device; here "
+            f"they are on {sorted(map(str, devices)) or 'no device'}"
+        )
     return None
+
+
+def _may_overlap(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` may share memory: False where each dim's stride, in increasing order, passes
+    the farthest element the smaller ones reach (a slice with gaps, a transpose), True otherwise (``expand``)."""
+    reach = 0
+    for stride, size in sorted((s, n) for n, s in zip(t.shape, t.stride()) if n > 1):
+        if stride <= reach:
+            return True
+        reach += stride * (size - 1)
+    return False
 
 
 def refusal_of_program(collectives: bool) -> str | None:
