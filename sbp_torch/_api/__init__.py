@@ -11,5 +11,6 @@ from ._local_map import local_map
 from ._memory import MemoryReport, memory_report
 from ._module import module_to_global
 from ._sharding import MixedPrecision
+from ._step_graph import GraphNotRecorded
 from ._to_global import to_global
 from ._world import init_process_group
