@@ -178,9 +178,15 @@ def assignment_body(ranks):
         ((S(2),), (Ellipsis, slice(1, None)), _x(2, seed=9)),
         ((S(0),), (None, slice(0, 4), 3), _x(1, 4, 3, seed=10)),
         ((S(1),), (slice(None), slice(-3, None)), _x(5, 1, 1, seed=11)),
+        # a basic entry cutting the split dim beside advanced ones: torch writes into the basic entry's view
+        ((S(0),), (1, [0, 2]), 5.0),
+        ((S(0),), (slice(1, 3), [0, 2], 1), _x(2, 2, seed=15)),
+        ((S(0),), torch.tensor(2), 4.0),  # (a 0-dim integer tensor: indexed as an int)
+        ((S(1),), ([1, 2], 3), _x(2, 3, seed=16)),
     ]
     if mesh:
         cases = [((S(0), S(1)), (slice(1, 4), 2), 3.0), ((B, S(2)), (Ellipsis, 0), _x(5, 7, seed=12))]
+        cases.append(((S(0), S(1)), ([0, 3], 2), 6.0))
     for sbp, index, value in cases:
         source = full.clone().requires_grad_()
         want = _assign(source * 1, index, value.requires_grad_() if isinstance(value, torch.Tensor) else value)
@@ -218,6 +224,11 @@ def assignment_body(ranks):
         (want * weights).sum().backward()
         (got * weights.to_global(p, (B,) * len(layout))).sum().backward()
         torch.testing.assert_close(got_source.grad.full_tensor(), source.grad, msg=f"write {k}")
+    want = full.clone()
+    got = full.to_global(p, (B,) * len(layout)).to_global(sbp=layout)
+    for t in (want, got):
+        t[0, t[0] > 0] = 1.5  # (a global mask beside an int: the mask is made whole to pick the positions)
+    torch.testing.assert_close(got.full_tensor(), want)
     if not mesh:  # (on a placement that leaves rank 0 out, which holds no part and runs every call alike)
         x, want = full.to_global(st.placement("cpu", [2, 1]), B).to_global(sbp=S(0)), full.clone()
         for t in (x, want):

@@ -6,9 +6,11 @@ the index cuts a dim that ``x`` splits over some placement axis, the view's rows
 makes it from a boxed copy of ``x``, and a copy into it would not reach ``x``. Such an assignment is written instead
 as a masked write over the positions the index picks (a boolean mask of ``x``'s shape, the same on every rank):
 ``masked_fill_`` for one value, else ``copy_`` of a ``where`` between ``x`` and the value placed at those positions.
-Both run on ``x``'s parts in its own layout (no gather) and carry gradients to ``x`` and to the value. Only indices
-of ints, slices, ``...`` and ``None`` are concerned: an index holding tensors or booleans is ``index_put_`` in
-torch already. ``fill_diagonal_`` (a write through ``as_strided``) becomes a masked fill the same way."""
+Both run on ``x``'s parts in its own layout (no gather) and carry gradients to ``x`` and to the value. An index
+of tensors or lists alone is ``index_put_`` on ``x`` in torch; mixed with a basic entry that cuts a split dim
+(``x[1, [0, 2]]``, ``x[0, mask]``, a 0-dim integer tensor), torch writes into the basic entry's view, so it is
+concerned too (its global tensors are made whole to pick the mask). ``fill_diagonal_`` (a write through
+``as_strided``) becomes a masked fill the same way."""
 
 import torch
 
@@ -21,21 +23,32 @@ DATA = torch._C.TensorBase.__dict__["data"]  # (``t.data = v`` reaches __torch_f
 
 
 def _cut_dims(index, ndim: int) -> list[int]:
-    """The dims of a tensor of ``ndim`` dims that a basic ``index`` cuts (by an int, or a slice other than ``:``);
-    none for an index with anything else in it."""
+    """The dims of a tensor of ``ndim`` dims that the basic entries of ``index`` cut: an int, a slice other than
+    ``:``, or a 0-dim integer tensor (which torch indexes as an int). Advanced entries (tensors, lists) take dims
+    too; torch makes the basic cuts first, as views, and writes the advanced ones into that view."""
     entries = index if isinstance(index, tuple) else (index,)
-    if not all(e is None or e is Ellipsis or isinstance(e, slice) or type(e) is int for e in entries):
-        return []
-    consumed = sum(1 for e in entries if e is not None and e is not Ellipsis)
+    taken = [_dims_taken(e) for e in entries]
     cut, dim = [], 0
-    for e in entries:
-        if e is Ellipsis:
-            dim += ndim - consumed
-        elif e is not None:
-            if e != slice(None):
-                cut.append(dim)
-            dim += 1
+    for entry, count in zip(entries, taken):
+        if entry is Ellipsis:
+            dim += ndim - sum(taken)
+            continue
+        if type(entry) is int or isinstance(entry, slice) and entry != slice(None) or _integer_scalar(entry):
+            cut.append(dim)
+        dim += count
     return cut
+
+
+def _dims_taken(entry) -> int:
+    if entry is None or entry is Ellipsis or isinstance(entry, bool):
+        return 0
+    if isinstance(entry, torch.Tensor) and entry.dtype in (torch.bool, torch.uint8):
+        return entry.dim()  # (a mask takes as many dims as it has)
+    return 1
+
+
+def _integer_scalar(entry) -> bool:
+    return isinstance(entry, torch.Tensor) and entry.dim() == 0 and entry.dtype not in (torch.bool, torch.uint8)
 
 
 def through_a_copy(x, index) -> bool:
@@ -52,6 +65,7 @@ def through_a_copy(x, index) -> bool:
 def assign(x: GlobalTensor, index, value) -> None:
     """``x[index] = value`` as a masked write over the positions the index picks (see the module docstring)."""
     meta, device = x._meta, x._local.device
+    index = _plain(index)
     picked = torch.zeros(meta.shape, dtype=torch.bool, device=device)
     picked[index] = True  # (plain tensors: the same mask on every rank, raising torch's own index errors)
     mask = _broadcast_on(picked, x)
@@ -63,6 +77,15 @@ def assign(x: GlobalTensor, index, value) -> None:
     placed = _broadcast_on(torch.zeros(meta.shape, dtype=meta.dtype, device=device), x)
     placed[index] = value  # (a broadcast tensor: a view of it shares its part)
     x.copy_(torch.where(mask, placed, x))
+
+
+def _plain(index):
+    """``index`` with its global tensors whole (``full_tensor``, on every rank alike): it picks from plain masks."""
+    entries = index if isinstance(index, tuple) else (index,)
+    if not any(isinstance(e, GlobalTensor) for e in entries):
+        return index
+    whole = tuple(e.full_tensor() if isinstance(e, GlobalTensor) else e for e in entries)
+    return whole if isinstance(index, tuple) else whole[0]
 
 
 def set_data(x: GlobalTensor, value) -> None:
