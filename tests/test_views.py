@@ -155,3 +155,28 @@ def test_a_pad_decision_is_not_replayed_for_another_value(order, grad):
             assert (sbp == (partial_sum,)) == (value == 0), f"value={value} gave {sbp}"
             if grad:
                 torch.testing.assert_close(gradient, torch.ones(2, 3))
+
+
+def contiguous_body() -> list:
+    """``contiguous()`` of a transposed view of a split tensor, written into: the base keeps its values (the copy
+    is one), gradients flow; of a tensor whose part is contiguous, the tensor itself."""
+    p = st.placement("cpu", [0, 1])
+    base = _x(4, 6, seed=3).to_global(p, B).to_global(sbp=S(0)).requires_grad_()
+    x = base * 1
+    copy = x.transpose(0, 1).contiguous()
+    copy.add_(1)
+    (copy * _x(6, 4, seed=4).to_global(p, B)).sum().backward()
+    return [x.full_tensor().detach(), copy.full_tensor().detach(), base.grad.full_tensor(), x.contiguous() is x]
+
+
+def test_contiguous_of_a_transposed_view_is_a_copy():
+    plain = _x(4, 6, seed=3).requires_grad_()
+    x = plain * 1
+    copy = x.transpose(0, 1).contiguous()
+    copy.add_(1)
+    (copy * _x(6, 4, seed=4)).sum().backward()
+    for got_x, got_copy, grad, itself in run_on_world(2, contiguous_body):
+        torch.testing.assert_close(got_x, x.detach())
+        torch.testing.assert_close(got_copy, copy.detach())
+        torch.testing.assert_close(grad, plain.grad)
+        assert itself

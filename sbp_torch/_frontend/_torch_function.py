@@ -24,6 +24,7 @@ from torch.compiler import is_dynamo_compiling
 from .._comm import compiling
 from .._dispatch import native_local_calls
 from .._layout import Broadcast
+from .._tensor import GlobalTensor
 from ._assignment import DATA, FILL_DIAGONAL, SETITEM, assign, fill_diagonal, set_data, through_a_copy
 from ._batched_matmul import MATMUL_FUNCS, BatchedMatmul, applies
 from ._below_autograd import below_autograd, run_below_autograd, values_read, without_torch_function
@@ -49,6 +50,8 @@ def torch_function(cls, func, types, args=(), kwargs=None):
         return _assigned_eagerly(*args) if is_dynamo_compiling() else assign(*args)
     if func == _SET_DATA:  # (t.data = v)
         return set_data(*args)
+    if func is CONTIGUOUS and isinstance(args[0], GlobalTensor):
+        return _contiguous(*args, **(kwargs or {}))
     if func is FILL_DIAGONAL and not all(isinstance(s, Broadcast) for s in args[0]._meta.sbp):
         return fill_diagonal(*args, **(kwargs or {}))
     if func in MATMUL_FUNCS and applies(func, args, kwargs or {}):
@@ -63,6 +66,16 @@ def torch_function(cls, func, types, args=(), kwargs=None):
 
 
 _SET_DATA = DATA.__set__  # (a method-wrapper: made anew at each access, equal to this one)
+CONTIGUOUS = torch._C.TensorBase.contiguous
+
+
+def _contiguous(x, memory_format=torch.contiguous_format):
+    """``x.contiguous()``: ``x`` where its part is laid out so, else a copy, as one process copies a tensor whose
+    strides are not. (A global tensor reports the strides of a contiguous tensor even over a transposed part, so
+    torch would return ``x`` itself, and writes into the "copy" would reach the tensor ``x`` is a view of.)"""
+    if x._local.is_contiguous(memory_format=memory_format):
+        return x
+    return x.clone(memory_format=memory_format)
 _EAGERLY = "an assignment through an index that cuts a dim its tensor splits is written eagerly"
 
 
@@ -100,7 +113,7 @@ _NATIVE_LOCAL, _EAGER = (
         autocast=torch._C._is_any_autocast_enabled,
         grad_enabled=torch.is_grad_enabled,
         not_handled=NOT_HANDLED,
-        special=frozenset(MATMUL_FUNCS) | frozenset(SDPA_FUNCS) | {SETITEM, _SET_DATA, FILL_DIAGONAL},
+        special=frozenset(MATMUL_FUNCS) | frozenset(SDPA_FUNCS) | {SETITEM, _SET_DATA, FILL_DIAGONAL, CONTIGUOUS},
         compile_tls=_COMPILE_TLS,
     )
     if ENABLED and _COMPILE_TLS is not None
