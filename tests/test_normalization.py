@@ -8,6 +8,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import sbp_torch as st
 from sbp_torch.sbp import broadcast as B
@@ -146,3 +147,49 @@ def running_statistics_kept_in_place(n):
 
 def test_running_statistics_are_updated_in_their_own_layout():
     run_on_world(2, running_statistics_kept_in_place, 2)
+
+
+# name: (the layer, whether its input takes a gradient)
+RAW_INPUT_LAYERS = {
+    "batch norm, raw input": (lambda: nn.BatchNorm1d(4), False),
+    "batch norm eval, raw input": (lambda: nn.BatchNorm1d(4).eval(), False),
+    "batch norm, no affine": (lambda: nn.BatchNorm1d(4, affine=False), True),
+    "instance norm, raw input": (lambda: nn.InstanceNorm1d(4, affine=True), False),
+}
+
+
+def _trained(layer, source, input_grad: bool) -> list:
+    """The output of ``layer`` on ``source`` and the gradients a weighted sum of it gives."""
+    out = layer(source)
+    weights = torch.randn(6, 4, 5, generator=torch.Generator().manual_seed(1))
+    if isinstance(source, st.GlobalTensor):
+        weights = weights.to_global(source.placement, B)
+    (out * weights).sum().backward()
+    return [out.detach()] + ([source.grad] if input_grad else [q.grad for q in layer.parameters()])
+
+
+def layers_on_raw_input() -> list:
+    """Normalization layers whose input does not require grad (the first layer on data: autograd asks for the
+    parameters' gradients alone), and batch norm without affine parameters (the input's gradient alone), trained
+    and evaluated on broadcast and split batches: (name, layout, the output and each gradient, in full)."""
+    p = st.placement("cpu", [0, 1])
+    x = torch.randn(6, 4, 5, generator=torch.Generator().manual_seed(0))
+    results = []
+    for name, (make, input_grad) in RAW_INPUT_LAYERS.items():
+        for sbp in (B, S(0), S(2)):
+            source = x.to_global(p, B).to_global(sbp=sbp).detach().requires_grad_(input_grad)
+            got = _trained(make().to_global(p), source, input_grad)
+            results.append((name, repr(sbp), [g.full_tensor() for g in got]))
+    return results
+
+
+def test_normalization_layers_on_input_that_takes_no_gradient():
+    x = torch.randn(6, 4, 5, generator=torch.Generator().manual_seed(0))
+    want = {
+        name: _trained(make(), x.clone().requires_grad_(input_grad), input_grad)
+        for name, (make, input_grad) in RAW_INPUT_LAYERS.items()
+    }
+    for results in run_on_world(2, layers_on_raw_input):
+        for name, sbp, got in results:
+            for k, (a, b) in enumerate(zip(got, want[name], strict=True)):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=f"{name}, {sbp}, value {k}")

@@ -50,6 +50,7 @@ from .core import (
 aten = torch.ops.aten
 
 LOCAL_BATCH, SYNC_STATS, EVALUATION = "local_batch", "sync_stats", "evaluation"
+EVERY_GRADIENT = "every_gradient"
 
 
 def _masked(call: OpCall, grads: tuple) -> tuple:
@@ -161,7 +162,7 @@ def _sync_batch_norm_backward(func, ctx: LocalContext):
     """Training-mode gradient with the covered dims split: the per-channel sums of the gradient and of the
     gradient times the normalized input are all-reduced; grad_weight/grad_bias are those sums."""
     a = ctx.arguments
-    grad, x, weight, mask = a["grad_out"], a["input"], a["weight"], a["output_mask"]
+    grad, x, weight = a["grad_out"], a["input"], a["weight"]
     save_mean, save_invstd = a["save_mean"], a["save_invstd"]
     dims = _covered_dims(x.dim())
     count = math.prod(ctx.inputs[1].shape) // ctx.inputs[1].shape[1]
@@ -172,7 +173,14 @@ def _sync_batch_norm_backward(func, ctx: LocalContext):
     grad_input = (
         grad - _channel_view(grad_bias / count, x.dim()) - normalized * _channel_view(grad_weight / count, x.dim())
     ) * _channel_view(scale, x.dim())
-    return tuple(g for g, wanted in zip((grad_input, grad_weight, grad_bias), mask) if wanted)
+    return grad_input, grad_weight, grad_bias  # (all three: see _every_gradient)
+
+
+def _every_gradient(func, ctx: LocalContext):
+    """The backward with every gradient computed, whatever ``output_mask`` asks. torch's kernel leaves the ones
+    the mask leaves out undefined, which a ``__torch_dispatch__`` cannot return for a ``Tensor`` output (it would
+    be None), and autograd drops those it did not ask for."""
+    return ctx.call(func, output_mask=[True, True, True])
 
 
 def _present(call: OpCall, names: tuple[str, ...]) -> list[str]:
@@ -207,16 +215,19 @@ def batch_norm(call: OpCall) -> list[Signature]:
     aten.native_batch_norm_backward,
     reads=("train", "output_mask"),
     check_nd=every_split_part_nonempty,
-    local_fns={SYNC_STATS: _sync_batch_norm_backward},
+    local_fns={SYNC_STATS: _sync_batch_norm_backward, EVERY_GRADIENT: _every_gradient},
 )
 def batch_norm_backward(call: OpCall) -> list[Signature]:
+    """Every gradient is declared (the meta kernel gives all three) and computed: where the mask leaves one out,
+    by ``_every_gradient`` (which then combines with no other local function across placement axes)."""
     x = call["input"]
     per_channel = _present(call, PER_CHANNEL)
     training = call["train"]
+    plain = None if all(call["output_mask"]) else EVERY_GRADIENT
     channels = {n: _channel_split(call[n]) for n in per_channel}
-    signatures = [sig(_masked(call, (S(1), S(0), S(0))), grad_out=S(1), input=S(1), **channels)]
+    signatures = [sig((S(1), S(0), S(0)), plain, grad_out=S(1), input=S(1), **channels)]
     for d in _covered_dims(x.ndim):
         grads = (S(d), B, B) if training else (S(d), P, P)
-        kernel = SYNC_STATS if training else None
-        signatures.append(sig(_masked(call, grads), kernel, grad_out=S(d), input=S(d), **{n: B for n in per_channel}))
-    return signatures
+        kernel = SYNC_STATS if training else plain
+        signatures.append(sig(grads, kernel, grad_out=S(d), input=S(d), **{n: B for n in per_channel}))
+    return signatures + [sig((B, B, B), plain, grad_out=B, input=B, **{n: B for n in per_channel})]
