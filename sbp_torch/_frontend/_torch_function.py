@@ -76,6 +76,8 @@ def _contiguous(x, memory_format=torch.contiguous_format):
     if x._local.is_contiguous(memory_format=memory_format):
         return x
     return x.clone(memory_format=memory_format)
+
+
 _EAGERLY = "an assignment through an index that cuts a dim its tensor splits is written eagerly"
 
 
