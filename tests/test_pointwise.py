@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import example, given, settings
 from hypothesis import strategies as st_
 
@@ -136,3 +137,29 @@ def test_the_family_is_found_by_torch_tag():
     assert is_pointwise(aten.hypot.default) and is_pointwise(aten.special_erfcx.default)
     assert not is_pointwise(aten.mm.default) and not is_pointwise(aten.sum.dim_IntList)
     assert all(is_pointwise(op) for op in PARTIAL_KINDS)
+
+
+def partial_casts() -> list:
+    """Conversions of a partial sum whose parts cancel: narrowing ones (to float16, bfloat16, an integer, and a
+    copy into an integer tensor) must reduce first, widening ones keep it partial; (name, layout, full value)."""
+    p = st.placement("cpu", [0, 1])
+    parts = [torch.tensor([1000.3, 300.1, 0.6]), torch.tensor([-1000.0, -300.0, 0.6])]
+    x = parts[dist.get_rank()].to_global(p, P)
+    into = torch.zeros(3, dtype=torch.int64).to_global(p, P)
+    into.copy_(x)
+    converted = {"half": x.half(), "bfloat16": x.bfloat16(), "long": x.long(), "copy_ into int64": into}
+    converted["double"] = x.double()
+    return [(name, t.sbp, t.full_tensor()) for name, t in converted.items()]
+
+
+@pytest.mark.gloo
+def test_a_partial_sum_is_reduced_before_a_narrowing_conversion():
+    whole = torch.tensor([1000.3, 300.1, 0.6]) + torch.tensor([-1000.0, -300.0, 0.6])
+    want = {"half": whole.half(), "bfloat16": whole.bfloat16(), "long": whole.long(), "copy_ into int64": whole.long()}
+    for results in run_on_world(2, partial_casts):
+        for name, sbp, got in results:
+            if name == "double":
+                assert sbp == (P,), sbp
+                torch.testing.assert_close(got, whole.double(), rtol=1e-6, atol=1e-4)
+            else:
+                torch.testing.assert_close(got, want[name], rtol=0, atol=0, msg=name)

@@ -74,6 +74,8 @@ def _partial_signatures(call: OpCall, tensors: dict) -> list[Signature]:
     if kind is None or any(t.shape != out.shape for n, t in infos.items() if n in call.global_names):
         return []
     names = list(infos)
+    if call.func is aten.copy_.default and not _keeps_sums(infos["src"].dtype, infos["self"].dtype):
+        return []  # (a narrowing copy, converted part by part, is not the conversion of the sum)
     if kind == "sum" and len(infos) == len(tensors):  # a number in a tensor slot would be added on every rank
         return [Signature(tuple((n, P) for n in names), P)]
     if kind == "scale":
@@ -84,10 +86,22 @@ def _partial_signatures(call: OpCall, tensors: dict) -> list[Signature]:
         return [Signature(tuple((n, op if i == 0 else B) for i, n in enumerate(names)), op) for op in (P_MAX, P_MIN)]
     if kind == "copy" and len(names) == 1:
         source = infos[names[0]].dtype
-        keeps_sums = out.dtype.is_floating_point or out.dtype.is_complex or out.dtype == source
-        kinds = (["sum"] if keeps_sums else []) + (["max", "min"] if _keeps_order(source, out.dtype) else [])
+        kinds = (["sum"] if _keeps_sums(source, out.dtype) else []) + (
+            ["max", "min"] if _keeps_order(source, out.dtype) else []
+        )
         return [Signature(((names[0], Partial(op)),), Partial(op)) for op in kinds]
     return []
+
+
+def _keeps_sums(source: torch.dtype, target: torch.dtype) -> bool:
+    """Whether converting the parts of a partial sum from ``source`` to ``target`` and summing gives the
+    conversion of their sum: the same dtype, or a floating (or complex) ``target`` that holds every ``source``
+    value as type promotion does. A narrowing conversion (float32 to float16, a float to an integer) rounds or
+    truncates each part alone: parts of 1000.3 and -1000.0 become 1000.5 and -1000.0 in float16, where their sum
+    0.3 stays 0.3."""
+    if source == target:
+        return True
+    return (target.is_floating_point or target.is_complex) and torch.promote_types(source, target) == target
 
 
 def _keeps_order(source: torch.dtype, target: torch.dtype) -> bool:
