@@ -19,7 +19,7 @@ from world import run_on_world
 
 pytestmark = pytest.mark.gloo
 
-ORDERS = [2, 1, 3.5, math.inf, -math.inf, 0]
+ORDERS = [2, 1, 3.5, math.inf, -math.inf, 0, -1, -2.5]
 
 
 def _values(shapes, seed):
@@ -68,6 +68,22 @@ def test_foreach_norm_matches_one_process(mesh, shapes, data, order, seed):
         groups = {tuple(a for a, s in enumerate(sbp) if s.__class__.__name__ == "Split") for sbp in sbps}
         partial_axes = sum(s == partial_sum for sbp in sbps for s in sbp)
         assert len(reductions) <= sum(len(axes) for axes in groups) + partial_axes
+
+
+def _negative_orders_with_an_empty_part() -> list:
+    """Norms of negative order (no identity) of a tensor split so that a rank holds no row, foreach and alone."""
+    placement = st.placement("cpu", [0, 1, 2])
+    x = torch.tensor([[1.0, 2.0, 4.0], [2.0, 2.0, 2.0]]).to_global(placement, broadcast).to_global(sbp=split(0))
+    return [(order, torch._foreach_norm([x], order)[0].full_tensor(), torch.linalg.vector_norm(x, order).full_tensor())
+            for order in (-1.0, -2.5, -math.inf)]  # fmt: skip
+
+
+def test_negative_orders_with_an_empty_part():
+    x = torch.tensor([[1.0, 2.0, 4.0], [2.0, 2.0, 2.0]])
+    for results in run_on_world(3, _negative_orders_with_an_empty_part):
+        for order, foreach, alone in results:
+            torch.testing.assert_close(foreach, torch.linalg.vector_norm(x, order), msg=f"foreach, order {order}")
+            torch.testing.assert_close(alone, torch.linalg.vector_norm(x, order), msg=f"vector_norm, order {order}")
 
 
 def _clipped(ranks, sbps, shapes, foreach):

@@ -37,8 +37,9 @@ def foreach_norm(func, args, kwargs):
     if filled:
         norms = dict(zip(filled, aten._foreach_norm.Scalar([locals_[i] for i in filled], order, dtype)))
     for i in members:
-        if i not in norms:
-            norms[i] = torch.full((), statistic.empty, dtype=dtype or metas[i].dtype, device=locals_[i].device)
+        if i not in norms:  # (the norm whose statistic is the empty one: inf for a negative order, whose ** is 0)
+            empty = torch.full((), statistic.empty, dtype=dtype or metas[i].dtype, device=locals_[i].device)
+            norms[i] = statistic.to_norm(empty)
     groups: dict = {}  # (placement, split axes) -> indices, in order
     for i in members:
         axes = tuple(a for a, s in enumerate(metas[i].sbp) if isinstance(s, Split))

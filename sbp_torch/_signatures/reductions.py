@@ -94,9 +94,11 @@ def _order(arguments) -> float:
 
 
 def _every_part_nonempty(call: OpCall, combo: tuple[Signature, ...]) -> bool:
-    """Where the local reduction fails on an empty part (max/min, norms of infinite order), no part is empty."""
+    """Where the local reduction fails on an empty part (max/min, norms of infinite or negative order, which have
+    no identity), no part is empty."""
     split_gives, _ = REDUCTIONS[call.func]
-    fails_on_empty = math.isinf(_order(call)) if split_gives == VECTOR_NORM else split_gives in (P_MAX, P_MIN)
+    order = _order(call) if split_gives == VECTOR_NORM else None
+    fails_on_empty = (math.isinf(order) or order < 0) if order is not None else split_gives in (P_MAX, P_MIN)
     if not fails_on_empty:
         return True
     return all(smallest_part(call, combo, "self", d) > 0 for d in reduced_dims(call.get("dim"), call["self"].ndim))
