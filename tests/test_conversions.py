@@ -144,6 +144,25 @@ def sync_data_body():
     return sent, rows.to_local().detach(), unsynced.to_local(), compiled.full_tensor(), x.grad, refused
 
 
+def broadcast_max_body():
+    """``(broadcast, partial_max)`` from parts that differ down the broadcast axis: the first row's values are the
+    tensor's, and its gradient's tie shares come from them on every row."""
+    p = st.placement("cpu", [[0, 1], [2, 3]])
+    values = {0: [1.0, 5.0], 1: [3.0, 2.0], 2: [9.0, 0.0], 3: [0.0, 9.0]}  # (the second row's: ignored)
+    x = torch.tensor(values[dist.get_rank()], requires_grad=True)
+    full = x.to_global(p, (broadcast, partial_max)).full_tensor()
+    full.sum().backward()
+    return full.detach(), x.grad
+
+
+def test_a_max_laid_out_with_a_broadcast_axis_shares_its_gradient_by_the_first_row():
+    first_row = [torch.tensor([1.0, 5.0], requires_grad=True), torch.tensor([3.0, 2.0], requires_grad=True)]
+    torch.maximum(*first_row).sum().backward()
+    for rank, (full, grad) in enumerate(run_on_world(4, broadcast_max_body)):
+        torch.testing.assert_close(full, torch.tensor([3.0, 5.0]))
+        torch.testing.assert_close(grad, first_row[rank % 2].grad, msg=f"rank {rank}")
+
+
 def test_sync_data_false_takes_each_rank_s_own_part():
     for rank, (sent, rows, unsynced, compiled, grad, refused) in enumerate(run_on_world(2, sync_data_body)):
         assert sent == [], sent

@@ -23,9 +23,11 @@ class _FromLocal(torch.autograd.Function):
         ctx.input_shape, ctx.input_dtype = local.shape, local.dtype
         if shapes is None:  # every rank holds the whole value: each keeps its region, nothing moves
             return from_whole(local.detach(), meta)
-        # The tie shares of P(max|min) axes come from this rank's own values, re-cut to the balanced region.
-        ctx.saved_local = _assemble(local.detach(), meta, shapes, take_first=False) if has_extreme(meta) else None
-        return GlobalTensor(_assemble(local.detach(), meta, shapes, take_first=sync_data), meta)
+        part = _assemble(local.detach(), meta, shapes, take_first=sync_data)
+        # The tie shares of P(max|min) axes come from the values the part holds: this rank's own along those axes,
+        # the first rank's along broadcast ones (whose other values are ignored), re-cut to the balanced region.
+        ctx.saved_local = part if has_extreme(meta) else None
+        return GlobalTensor(part, meta)
 
     @staticmethod
     def backward(ctx, grad):
