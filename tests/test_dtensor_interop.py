@@ -17,7 +17,7 @@ import torch
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st_
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -409,14 +409,25 @@ def errors_on_ranks():
         g.to_dtensor()
     except ValueError as err:
         messages.append(str(err))
+    unordered = st.placement("cpu", [2, 0, 1])  # (DTensor's gathers and cuts disagree on such a mesh)
+    for convert in (
+        lambda: st.arange(6, placement=unordered, sbp=split(0)).to_dtensor(),
+        lambda: st.from_dtensor(DTensor.from_local(torch.zeros(2), DeviceMesh("cpu", [2, 0, 1]), [Shard(0)])),
+    ):
+        try:
+            convert()
+        except ValueError as err:
+            messages.append(str(err))
     return messages
 
 
 @pytest.mark.gloo
 def test_unsupported_layouts_raise_naming_them():
     results = run_on_world(3, errors_on_ranks)
-    assert results[0] == results[1] == results[2] and len(results[0]) == 3
-    strided, avg, mixed = results[0]
+    assert results[0] == results[1] == results[2] and len(results[0]) == 5
+    strided, avg, mixed, unordered_to, unordered_from = results[0]
+    assert unordered_to.startswith("to_dtensor: placement(type='cpu', ranks=[2, 0, 1]) lists ranks out of")
+    assert unordered_from.startswith("from_dtensor: placement(type='cpu', ranks=[2, 0, 1]) lists ranks out of")
     assert "_StridedShard(dim=0, sf=2)" in strided and "from_dtensor" in strided
     assert "Partial(avg)" in avg
     assert "(P(max), P)" in mixed and "max and sum" in mixed

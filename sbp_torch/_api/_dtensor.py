@@ -63,12 +63,29 @@ def _mesh_cache() -> dict[Placement, DeviceMesh]:
     return _meshes
 
 
-def device_mesh(p: Placement) -> DeviceMesh:
+def device_mesh(p: Placement, what: str = "to_dtensor") -> DeviceMesh:
     """The ``DeviceMesh`` of the rank array of ``p``; every rank of the world must call it, in the same order."""
     cache = _mesh_cache()
     if p not in cache:
+        _refuse_out_of_order(p, what)
         cache[p] = DeviceMesh(p.type, torch.tensor(p.ranks, dtype=torch.int))
     return cache[p]
+
+
+def _refuse_out_of_order(p: Placement, what: str) -> None:
+    """Raise where ``p`` lists the ranks of some line along an axis out of increasing order: DTensor cuts a
+    tensor by mesh coordinate but gathers a mesh dim's parts in the order of its process group's ranks, so on
+    such a mesh its own ``full_tensor`` permutes a ``distribute_tensor``'s value, and no conversion can agree
+    with both."""
+    ranks = torch.tensor(p.ranks)
+    for axis in range(ranks.dim()):
+        steps = ranks.movedim(axis, -1).diff(dim=-1)
+        if steps.numel() and bool((steps < 0).any()):
+            raise ValueError(
+                f"{what}: {p} lists ranks out of increasing order along axis {axis}, where DTensor's gathers "
+                "(by process-group rank) and its cuts (by mesh coordinate) disagree; use a placement whose ranks "
+                "increase along each axis"
+            )
 
 
 def _placement_of(mesh: DeviceMesh, what: str) -> Placement:
@@ -79,9 +96,11 @@ def _placement_of(mesh: DeviceMesh, what: str) -> Placement:
             f"other ranks; a global tensor needs one placement on every rank: convert a DTensor on the whole mesh"
         )
     try:
-        return Placement(mesh.device_type, mesh.mesh.tolist())
+        placement = Placement(mesh.device_type, mesh.mesh.tolist())
     except ValueError as err:
         raise ValueError(f"{what}: {mesh} is not a placement: {err}") from err
+    _refuse_out_of_order(placement, what)
+    return placement
 
 
 def _normalized(box: Box) -> Box:
