@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "sbp_torch"
-LINE_BUDGET = 15915  # lines of Python in sbp_torch/, blank lines and docstrings included; raised only for a feature
+LINE_BUDGET = 15960  # lines of Python in sbp_torch/, blank lines and docstrings included; raised only for a feature
 
 # module -> the modules it may import inside a function: optional or heavy, needed by one rarely used path
 LATE_IMPORTS = {

@@ -292,3 +292,36 @@ def test_counter_based_values_look_random():
     assert not torch.equal(n, counter_based_region("normal", meta, *full, 6, 0, cpu))
     assert not torch.equal(n, counter_based_region("normal", meta, *full, 5, 4, cpu))
     assert len(set(itertools.chain.from_iterable(u.tolist()))) == u.numel()
+
+
+def accumulation_body() -> list:
+    """A factory's leaf, and a leaf made by ``requires_grad_()``, through ``sum()`` twice (its gradient an
+    expand), then its gradient scaled in place, on each layout: (layout, the gradient after two backward passes,
+    after ``mul_``)."""
+    out = []
+    p = st.placement("cpu", [0, 1])
+    for sbp in (split(0), broadcast, partial_sum, "leaf S(0)", "leaf B"):
+        if isinstance(sbp, str):
+            laid_out = split(0) if "S(0)" in sbp else broadcast
+            leaf = torch.ones(4, 3).to_global(p, broadcast).to_global(sbp=laid_out).detach().requires_grad_()
+        else:
+            leaf = st.ones(4, 3, placement=p, sbp=sbp, requires_grad=True)
+        for _ in range(2):
+            (leaf.sum() * 2).backward()
+        accumulated = leaf.grad.full_tensor().clone()  # (of a broadcast gradient: its part itself)
+        leaf.grad.mul_(0.5)
+        out.append((repr(sbp), accumulated, leaf.grad.full_tensor()))
+    return out
+
+
+@pytest.mark.gloo
+def test_a_global_leaf_accumulates_gradients_as_one_process():
+    """As ``AccumulateGrad`` gives a plain leaf a gradient of its own strides, never the expand a sum's gradient
+    is (which no later accumulation or in-place scaling could write into)."""
+    leaf = torch.ones(4, 3, requires_grad=True)
+    for _ in range(2):
+        (leaf.sum() * 2).backward()
+    for results in run_on_world(2, accumulation_body):
+        for sbp, accumulated, scaled in results:
+            torch.testing.assert_close(accumulated, leaf.grad, msg=sbp)
+            torch.testing.assert_close(scaled, leaf.grad * 0.5, msg=sbp)

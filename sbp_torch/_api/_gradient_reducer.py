@@ -10,7 +10,7 @@ from torch import nn
 
 from .. import _comm as comm
 from .._boxing import axis_view, box_local, plan_boxing
-from .._tensor import GlobalTensor, gradient_sbp, mark_reduced_at_use
+from .._tensor import GlobalTensor, gradient_sbp, in_layout_of, mark_reduced_at_use
 
 
 @dataclasses.dataclass
@@ -55,7 +55,7 @@ class GradientReducer:
         if grad._meta.sbp == target:
             if grad._meta is not param._meta and grad._meta == param._meta:
                 grad._meta = param._meta  # (the same metadata, as one object: see ``_reduced_meta``)
-            grad._local = _in_layout_of(grad._local, param._local)
+            grad._local = in_layout_of(grad._local, param._local)
             return
         shape = grad._meta.placement.shape
         # (a step along an axis of one rank leaves the part as it is: on one rank, data parallelism moves nothing)
@@ -63,7 +63,7 @@ class GradientReducer:
         scatter = len(steps) == 1 and steps[0].collective == "reduce-scatter"
         if not steps or (not scatter and not all(step.collective == "all-reduce" for step in steps)):
             local = box_local(grad._local, grad._meta, target) if steps else grad._local
-            param.grad = GlobalTensor(_in_layout_of(local, param._local), _reduced_meta(param, grad._meta, target))
+            param.grad = GlobalTensor(in_layout_of(local, param._local), _reduced_meta(param, grad._meta, target))
             return
         route = tuple((s.axis, s.src) for s in steps)
         # all-reduce buckets share a target layout; reduce-scatter buckets mix them (each part is cut alone)
@@ -126,31 +126,6 @@ class GradientReducer:
                 part = flat[offset : offset + local.numel()].view(local.shape)
                 offset += local.numel()
                 p.grad = GlobalTensor(part, _reduced_meta(p, p.grad._meta, target))
-
-
-def _in_layout_of(part: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``part``, or a copy of it with the strides of ``like`` (the parameter's part) where they differ, as torch's
-    AccumulateGrad gives a plain gradient its parameter's strides. A wrapper's strides are its logical ones, so
-    AccumulateGrad does not see a transposed part (the gradient of a weight tied through ``t()``); left so, it
-    would make every foreach op of the optimizer take its per-tensor path on CUDA, for all the parameters."""
-    if part.shape != like.shape or _same_strides(part, like) or not _dense(like):
-        return part  # (empty_like keeps the strides of a dense tensor only)
-    return torch.empty_like(like, dtype=part.dtype).copy_(part)
-
-
-def _dense(t: torch.Tensor) -> bool:
-    """Whether ``t``'s elements fill its memory without gaps or overlaps, in some order of its dims."""
-    expected = 1
-    for stride, size in sorted((s, n) for n, s in zip(t.shape, t.stride()) if n != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def _same_strides(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b`` (of one shape) lay out their elements alike (a dim of size 1 has any stride)."""
-    return all(n == 1 or x == y for n, x, y in zip(a.shape, a.stride(), b.stride()))
 
 
 def _reduced_meta(param: nn.Parameter, meta, target):

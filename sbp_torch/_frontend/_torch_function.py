@@ -18,13 +18,15 @@ Where the C hit paths are built (``csrc/hit_paths.c``), an eager call past step 
 of steps 2, 3 and the compile check has anything to do (no plain tensor with dims, no write step 2 rewrites, no
 batched matmul or attention, no compilation); otherwise C does nothing and the steps run here in Python."""
 
+import weakref
+
 import torch
 from torch.compiler import is_dynamo_compiling
 
 from .._comm import compiling
 from .._dispatch import native_local_calls
 from .._layout import Broadcast
-from .._tensor import GlobalTensor
+from .._tensor import GlobalTensor, in_layout_of
 from ._assignment import DATA, FILL_DIAGONAL, SETITEM, assign, fill_diagonal, set_data, through_a_copy
 from ._batched_matmul import MATMUL_FUNCS, BatchedMatmul, applies
 from ._below_autograd import below_autograd, run_below_autograd, values_read, without_torch_function
@@ -52,6 +54,10 @@ def torch_function(cls, func, types, args=(), kwargs=None):
         return set_data(*args)
     if func is CONTIGUOUS and isinstance(args[0], GlobalTensor):
         return _contiguous(*args, **(kwargs or {}))
+    if func is REQUIRES_GRAD_ and isinstance(args[0], GlobalTensor):
+        result = below_autograd(func, types, args, kwargs)
+        _keep_gradient_layout(result)
+        return result
     if func is FILL_DIAGONAL and not all(isinstance(s, Broadcast) for s in args[0]._meta.sbp):
         return fill_diagonal(*args, **(kwargs or {}))
     if func in MATMUL_FUNCS and applies(func, args, kwargs or {}):
@@ -67,6 +73,33 @@ def torch_function(cls, func, types, args=(), kwargs=None):
 
 _SET_DATA = DATA.__set__  # (a method-wrapper: made anew at each access, equal to this one)
 CONTIGUOUS = torch._C.TensorBase.contiguous
+REQUIRES_GRAD_ = torch._C.TensorBase.requires_grad_
+
+
+class _LeafLayout:
+    """A leaf's gradient hook: the gradient in the strides of the leaf's part (``in_layout_of``), as
+    ``AccumulateGrad`` lays out a plain leaf's, so that the expand a sum's gradient is can take later
+    accumulation and in-place scaling. Holds the leaf weakly (the leaf holds its hooks)."""
+
+    def __init__(self, leaf: GlobalTensor):
+        self.leaf = weakref.ref(leaf)
+
+    def __call__(self, grad):
+        leaf = self.leaf()
+        if leaf is None or not isinstance(grad, GlobalTensor):
+            return grad
+        part = in_layout_of(grad._local, leaf._local)
+        return grad if part is grad._local else GlobalTensor(part, grad._meta)
+
+
+def _keep_gradient_layout(leaf: GlobalTensor) -> None:
+    """Give a global leaf that now requires grad a ``_LeafLayout`` hook, once (not while compiling: the compiled
+    program's backward gives its gradients whole)."""
+    if torch.compiler.is_compiling() or not (leaf.requires_grad and leaf.is_leaf):
+        return
+    hooks = leaf._backward_hooks or {}
+    if not any(isinstance(hook, _LeafLayout) for hook in hooks.values()):
+        leaf.register_hook(_LeafLayout(leaf))
 
 
 def _contiguous(x, memory_format=torch.contiguous_format):
@@ -115,7 +148,9 @@ _NATIVE_LOCAL, _EAGER = (
         autocast=torch._C._is_any_autocast_enabled,
         grad_enabled=torch.is_grad_enabled,
         not_handled=NOT_HANDLED,
-        special=frozenset(MATMUL_FUNCS) | frozenset(SDPA_FUNCS) | {SETITEM, _SET_DATA, FILL_DIAGONAL, CONTIGUOUS},
+        special=frozenset(MATMUL_FUNCS)
+        | frozenset(SDPA_FUNCS)
+        | {SETITEM, _SET_DATA, FILL_DIAGONAL, CONTIGUOUS, REQUIRES_GRAD_},
         compile_tls=_COMPILE_TLS,
     )
     if ENABLED and _COMPILE_TLS is not None

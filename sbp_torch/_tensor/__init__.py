@@ -13,4 +13,4 @@ from ._global_tensor import (
     to_local,
     wrap_fresh,
 )
-from ._gradient import gradient_part, gradient_sbp, has_extreme
+from ._gradient import gradient_part, gradient_sbp, has_extreme, in_layout_of
