@@ -63,11 +63,11 @@ def _mesh_cache() -> dict[Placement, DeviceMesh]:
     return _meshes
 
 
-def device_mesh(p: Placement, what: str = "to_dtensor") -> DeviceMesh:
+def device_mesh(p: Placement) -> DeviceMesh:
     """The ``DeviceMesh`` of the rank array of ``p``; every rank of the world must call it, in the same order."""
     cache = _mesh_cache()
     if p not in cache:
-        _refuse_out_of_order(p, what)
+        _refuse_out_of_order(p, "to_dtensor")
         cache[p] = DeviceMesh(p.type, torch.tensor(p.ranks, dtype=torch.int))
     return cache[p]
 

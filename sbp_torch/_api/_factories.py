@@ -5,7 +5,7 @@ import torch
 from .. import _comm as comm
 from .._boxing import box_local
 from .._layout import GlobalMeta, Placement, narrow_to, normalize_sbp, partials_as_broadcast, random_region
-from .._tensor import GlobalTensor, gradient, in_layout_of
+from .._tensor import GlobalTensor, gradient, gradient_in_layout
 
 
 def _size(size) -> tuple[int, ...]:
@@ -42,17 +42,8 @@ def _build(meta: GlobalMeta, region, requires_grad: bool) -> GlobalTensor:
         # Ops without an SBP rule hand back broadcast gradients: lay each gradient out as gradient_sbp(sbp)
         # (split stays split) before it is accumulated into the leaf's .grad, in the strides of the leaf's part
         # (the gradient of a sum is an expand: a part of stride 0 could take no later accumulation).
-        out.register_hook(lambda grad: _in_leaf_layout(gradient(grad, meta, local), local))
+        out.register_hook(lambda grad: gradient_in_layout(gradient(grad, meta, local), local))
     return out
-
-
-def _in_leaf_layout(grad, like: torch.Tensor):
-    """``grad`` with its part in the strides of ``like``, as ``AccumulateGrad`` lays out a plain gradient."""
-    if isinstance(grad, GlobalTensor):
-        part = in_layout_of(grad._local, like)
-        if part is not grad._local:
-            return GlobalTensor(part, grad._meta)
-    return grad
 
 
 def _constant(value, size, placement, sbp, dtype, requires_grad):

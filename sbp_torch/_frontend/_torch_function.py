@@ -26,7 +26,7 @@ from torch.compiler import is_dynamo_compiling
 from .._comm import compiling
 from .._dispatch import native_local_calls
 from .._layout import Broadcast
-from .._tensor import GlobalTensor, in_layout_of
+from .._tensor import GlobalTensor, gradient_in_layout
 from ._assignment import DATA, FILL_DIAGONAL, SETITEM, assign, fill_diagonal, set_data, through_a_copy
 from ._batched_matmul import MATMUL_FUNCS, BatchedMatmul, applies
 from ._below_autograd import below_autograd, run_below_autograd, values_read, without_torch_function
@@ -77,7 +77,7 @@ REQUIRES_GRAD_ = torch._C.TensorBase.requires_grad_
 
 
 class _LeafLayout:
-    """A leaf's gradient hook: the gradient in the strides of the leaf's part (``in_layout_of``), as
+    """A leaf's gradient hook: the gradient in the strides of the leaf's part (``gradient_in_layout``), as
     ``AccumulateGrad`` lays out a plain leaf's, so that the expand a sum's gradient is can take later
     accumulation and in-place scaling. Holds the leaf weakly (the leaf holds its hooks)."""
 
@@ -86,10 +86,7 @@ class _LeafLayout:
 
     def __call__(self, grad):
         leaf = self.leaf()
-        if leaf is None or not isinstance(grad, GlobalTensor):
-            return grad
-        part = in_layout_of(grad._local, leaf._local)
-        return grad if part is grad._local else GlobalTensor(part, grad._meta)
+        return grad if leaf is None else gradient_in_layout(grad, leaf._local)
 
 
 def _keep_gradient_layout(leaf: GlobalTensor) -> None:

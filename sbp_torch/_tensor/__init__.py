@@ -7,6 +7,7 @@ from ._global_tensor import (
     from_whole,
     full_tensor,
     gradient,
+    gradient_in_layout,
     mark_reduced_at_use,
     plain_tangent_as_global,
     reduced_at_use,

@@ -18,7 +18,7 @@ except ImportError:
 from .._boxing import box_local
 from .._comm import note_placement
 from .._layout import GlobalMeta, broadcast, contiguous_strides, normalize_sbp
-from ._gradient import gradient_part, gradient_sbp, has_extreme
+from ._gradient import gradient_part, gradient_sbp, has_extreme, in_layout_of
 
 _new_wrapper = torch.Tensor._make_wrapper_subclass
 
@@ -231,6 +231,16 @@ def gradient(grad: GlobalTensor, meta: GlobalMeta, saved_local: torch.Tensor | N
         raise TypeError(f"expected a global gradient for a global tensor, got a plain {type(grad).__name__}")
     local = gradient_part(grad._local, grad._meta, meta, saved_local)
     return GlobalTensor(local, grad._meta.with_sbp(gradient_sbp(meta.sbp)))
+
+
+def gradient_in_layout(grad, like: torch.Tensor):
+    """The global gradient ``grad`` with its part in the strides of ``like`` (its leaf's part; ``in_layout_of``),
+    as ``AccumulateGrad`` lays out a plain leaf's gradient; anything else as it is."""
+    if isinstance(grad, GlobalTensor):
+        part = in_layout_of(grad._local, like)
+        if part is not grad._local:
+            return GlobalTensor(part, grad._meta)
+    return grad
 
 
 class _ToLocal(torch.autograd.Function):
