@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import functools
 import importlib.util
+import inspect
 import pathlib
 
 import pytest
@@ -660,3 +661,158 @@ def test_a_change_or_failure_on_one_rank_is_an_error_on_every_rank(change):
         assert "ValueError: boom in rank 1's program" in failures[1]
     assert "CollectiveError: compile_step, step #" in failures[0] and "a collective of its program" in failures[0]
     assert f"posted by the ranks that failed:\n  rank 1 raised {why}" in failures[0], failures[0]
+
+
+# Steps whose numbers depend on values of the data. Each either computes them inside the program (its sizes symbols
+# of the trace, known when it runs) and matches one process at every call, or is refused on every rank, naming the
+# line marked "# reads" that read a value. No trace may keep what the traced batch gave.
+def _reads_a_number(h):
+    if h.sum().item() > 0:  # reads
+        return h * 2
+    return h
+
+
+def _tests_a_tensor(h):
+    if (h > 0).any():  # reads
+        return h * 2
+    return h
+
+
+def _slices_by_a_count(h):
+    return h[: (h[:, 0] > 0).sum().tolist()]  # reads
+
+
+def _global_nonzero(h):
+    return h[(h[:, 0] > 0).nonzero()[:, 0]]  # reads
+
+
+def _global_mask(h):
+    return h[h > 0]  # reads
+
+
+def _global_bincount(h):
+    return h * torch.bincount(h.argmax(-1), minlength=4)[:4].float()  # reads
+
+
+def _regional(body, out_shapes=None):
+    """``body`` as a region on rows split over the ranks (on a plain tensor, itself: it works row by row)."""
+
+    def run(h):
+        if not isinstance(h, st.GlobalTensor):
+            return body(h)
+        return st.local_map(body, in_sbps=(S(0),), out_sbps=S(0), out_shapes=out_shapes)(h)  # reads
+
+    return run
+
+
+def _rows_kept_by_a_mask(x):
+    keep = (x[:, 0] > 0).nonzero()[:, 0]
+    return torch.zeros_like(x).index_add(0, keep, x[keep] * 3)
+
+
+def _tokens_to_bins(x):
+    """A routing in miniature: each row goes to the bin of its largest entry, counted, sorted and sent back."""
+    bins = x.argmax(-1)
+    counts = torch.zeros(4, dtype=torch.long).index_add(0, bins, torch.ones_like(bins))
+    order = bins.argsort(stable=True)
+    sizes = counts.tolist()  # as the experts' exchanges read their counts: symbols of the program when traced
+    rows = order[: sum(sizes)]
+    grouped = [part * (i + 1) for i, part in enumerate(x[rows].split(sizes))]
+    return torch.zeros_like(x).index_add(0, rows, torch.cat(grouped))
+
+
+def _top_two(h):
+    kept = h.topk(2, -1).indices
+    return torch.zeros_like(h).scatter(-1, kept, h.gather(-1, kept))
+
+
+COMPUTED = {
+    "top-k routing": _top_two,
+    "sorting": lambda h: h.sort(-1).values.cumsum(-1),
+    "scatter by index": lambda h: torch.zeros(4, 4).index_add(0, h.argmax(-1), h),
+    "a mask": lambda h: torch.where(h > 0, h, h * 0.1),
+    "a region's mask": _regional(_rows_kept_by_a_mask, lambda h: [h.shape]),
+    "a region's counts": _regional(_tokens_to_bins, lambda h: [h.shape]),
+}
+_NUMBER = "reads a tensor's value as a number"
+_SHAPE = "would have the shape (u"
+# name -> (route, what the refusal says, the function whose line marked "# reads" it names)
+REFUSED = {
+    "item()": (_reads_a_number, _NUMBER, _reads_a_number),
+    "a boolean test": (_tests_a_tensor, _NUMBER, _tests_a_tensor),
+    "tolist()": (_slices_by_a_count, _NUMBER, _slices_by_a_count),
+    "nonzero": (_global_nonzero, _SHAPE, _global_nonzero),
+    "a boolean mask": (_global_mask, _SHAPE, _global_mask),
+    "bincount": (_global_bincount, _SHAPE, _global_bincount),
+    "a region's rows": (_regional(lambda x: x[x[:, 0] > 0]), "output 0's part on this rank would have", _regional),
+}
+
+
+class Routed(nn.Module):
+    def __init__(self, route):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.route = route
+
+    def forward(self, x):
+        return (self.route(self.lin(x)) + 0.5).pow(2).mean()
+
+
+def _routed_training(route, calls: int):
+    """``calls`` SGD steps of ``Routed(route)`` through ``compile_step`` on 2 ranks, each batch another routing:
+    the relative error of each loss from one process's, or the refusal's message."""
+    torch.manual_seed(0)
+    reference = Routed(route)
+    model = copy.deepcopy(reference).to_global(st.placement("cpu", [0, 1]), B)
+    ref_opt, optimizer = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, model))
+    placement = model.lin.weight.placement
+
+    @st.compile_step(model=model, optimizer=optimizer, backend=None)
+    def step(x):
+        loss = model(x.to_global(placement, (B,), check_meta=False).to_global(sbp=(S(0),)))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    errors = []
+    for x in _batches(calls, 7, 4, seed=3):
+        want = reference(x)
+        ref_opt.zero_grad()
+        want.backward()
+        ref_opt.step()
+        try:
+            got = step(x).full_tensor().item()
+        except st.StepNotTraceable as err:
+            return str(err)
+        errors.append(abs(got - want.item()) / abs(want.item()))
+    return errors
+
+
+def _all_computed(h):
+    for route in COMPUTED.values():
+        h = route(h)
+    return h
+
+
+def _every_read():
+    computed = _routed_training(_all_computed, 4)  # (one program: a wrong route gives a wrong loss)
+    refused = {name: _routed_training(route, 2) for name, (route, _, _) in REFUSED.items()}
+    return computed, refused
+
+
+def _reading_line(function) -> str:
+    """``file:line`` of the line marked ``# reads`` in ``function``'s source."""
+    lines, first = inspect.getsourcelines(function)
+    marked = next(i for i, line in enumerate(lines) if line.rstrip().endswith("# reads"))
+    return f"test_compile_step.py:{first + marked}"
+
+
+def test_values_of_the_data_are_computed_in_the_program_or_refused():
+    (computed, refused), other = run_on_world(2, _every_read, _timeout=300)
+    assert (computed, refused) == other  # every rank alike
+    assert isinstance(computed, list) and max(computed) < 1e-5, computed
+    for name, message in refused.items():
+        _, why, reader = REFUSED[name]
+        assert isinstance(message, str) and why in message, (name, message)
+        assert _reading_line(reader) in message, (name, message)

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import sbp_torch as st
 from sbp_torch import _comm as comm
@@ -219,3 +221,55 @@ def _compiled_job():
 
 def test_moe_compiled():
     assert max(run_on_world(4, _compiled_job, _timeout=300)) < 1e-5
+
+
+def _compile_step_job(name, layout, backend):
+    """Five AdamW steps through ``compile_step``: the first eager, the rest one traced program that must route each
+    batch anew (each batch routes its tokens otherwise); each step's loss against one process's. ``layout``: one of
+    ``moe.LAYOUTS`` on 4 ranks, or of ``ONE_RANK``."""
+    batches = moe.batches(STEPS, 8)
+    want, _, _ = _train(moe.make(name), batches)
+    model = moe.make(name)
+    lay = moe.lay_out(model, ONE_RANK[layout] if dist.get_world_size() == 1 else moe.LAYOUTS[layout])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    @st.compile_step(model=model, optimizer=optimizer, backend=backend)
+    def step(ids):
+        x = lay(ids)
+        loss = model(input_ids=x, labels=x).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    got = [step(batch["input_ids"]).full_tensor().item() for batch in batches]
+    return [abs(a - b) / abs(b) for a, b in zip(got, want)], step.traces
+
+
+ONE_RANK = {
+    "DP": moe.Layout("DP", [0], (broadcast,), (split(0),)),
+    "EP": moe.Layout("EP", [0], (split(0),), (split(0),)),
+}
+# (model, layout, backend, ranks): each layout's program kind once, Inductor's handling of the routing's sizes once.
+# MOE_COMPILE_MATRIX=1 runs every model in every layout with both backends, on 4 ranks and on 1.
+COMPILED_CASES = [
+    ("mixtral", "EP", "inductor", 4),
+    ("qwen3_moe", "DP x EP", None, 4),
+    ("deepseek_v3", "DP", None, 4),
+    ("mixtral", "sharded DP x EP", None, 4),
+]
+if os.environ.get("MOE_COMPILE_MATRIX"):
+    COMPILED_CASES = [
+        (name, layout, backend, ranks)
+        for name in moe.MODELS
+        for backend in ("inductor", None)
+        for ranks, layouts in ((4, moe.LAYOUTS), (1, ONE_RANK))
+        for layout in layouts
+    ]
+
+
+@pytest.mark.parametrize("name, layout, backend, ranks", COMPILED_CASES)
+def test_moe_compile_step_routes_every_batch(name, layout, backend, ranks):
+    for errors, traces in run_on_world(ranks, _compile_step_job, name, layout, backend, _timeout=600):
+        assert max(errors) < 1e-5, errors  # every step, each traced call after the first
+        assert traces == 1

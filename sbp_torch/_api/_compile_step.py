@@ -25,6 +25,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import operator
+import os
+import pathlib
+import sysconfig
+import traceback
 from collections import OrderedDict
 from collections.abc import Callable
 from itertools import chain, count, repeat
@@ -33,11 +37,12 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._guards import TracingContext, detect_fake_mode, tracing
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
 from .. import _comm as comm
-from .._layout import device_draws_refused
+from .._layout import ValueDependentShape, device_draws_refused
 from .._tensor import GlobalTensor
 from . import _step_graph as step_graph
 from ._gradient_reducer import drop_pending_reductions
@@ -402,7 +407,7 @@ class CompiledStep:
                 _refuse(step_graph.refusal_of_program(comm.holds_collectives(gm)))
                 _refuse(step_graph.refusal_of_inputs(examples, [_part(a) for a in arg_leaves]))
             with _compiler_settings(self.backend):
-                run = _backend(self.backend)(gm, examples)
+                run = _compiled(self.backend, gm)
             if self.cuda_graphs:
                 if self.graph_pool is None:  # (one pool for the step's programs: they replay one at a time)
                     self.graph_pool = torch.cuda.graph_pool_handle()
@@ -632,15 +637,53 @@ def _why_not(err: Exception) -> str:
             "the step reads a tensor that is neither one of its arguments, nor a parameter or buffer of the model, "
             "nor optimizer state: pass it as an argument"
         )
-    elif "data-dependent" in text.lower() or "DataDependent" in text:
+    elif isinstance(err, ValueDependentShape):
+        hint = str(err)
+        text = None
+    elif any(name in text for name in ("data-dependent", "DataDependent", "DynamicOutputShape")):
         hint = (
-            "the step, or its optimizer, reads a tensor's value as a number (item(), bool(), a mask's count, an "
-            "optimizer that takes its step count or a tensor learning rate as a number): return values from the "
-            "step instead, or run it eagerly"
+            "the step, or its optimizer, reads a tensor's value as a number (item(), bool(), tolist(), a branch on "
+            "a tensor, an op whose output size the trace cannot carry as a symbol, an optimizer that takes its step "
+            "count or a tensor learning rate as a number): keep the value in a tensor, return it from the step, or "
+            "run the step eagerly"
         )
     else:
         hint = "run the step eagerly, or under torch.compile, which breaks the graph where it must"
-    return f"compile_step could not trace the step as one program: {hint}. ({text})"
+    where = _where(err)
+    return f"compile_step could not trace the step as one program: {hint}{where}" + (f". ({text})" if text else "")
+
+
+# Where frames are machinery, not the code that read a value: torch, sbp_torch and Python's own library
+_MACHINERY = (str(pathlib.Path(torch.__file__).parent) + os.sep, str(pathlib.Path(__file__).parents[1]) + os.sep)
+_LIBRARY = sysconfig.get_paths()["stdlib"] + os.sep
+
+
+def _machinery(path: str) -> bool:
+    library = path.startswith(_LIBRARY) and "-packages" + os.sep not in path
+    return library or path.startswith(_MACHINERY) or path.startswith("<")
+
+
+def _where(err: BaseException) -> str:
+    """``", at file:line in function: source"``: the innermost frame of the traceback of ``err`` (or of what
+    caused it) in the step's or the model's code, not in torch's or sbp_torch's; "" if there is none."""
+    found = None
+    while err is not None and found is None:
+        for frame in traceback.extract_tb(err.__traceback__):
+            if not _machinery(frame.filename):
+                found = frame
+        err = err.__cause__ or err.__context__
+    if found is None:
+        return ""
+    source = f": {found.line.strip()}" if found.line else ""
+    return f", at {pathlib.Path(found.filename).name}:{found.lineno} in {found.name}{source}"
+
+
+def _compiled(backend, gm):
+    """``gm`` compiled by ``backend``, shown the trace's own fake inputs and shape environment, as Dynamo shows a
+    backend its graphs: sizes the trace left as symbols of the data (rows routed to experts) stay symbols."""
+    fakes = [node.meta["val"] for node in gm.graph.find_nodes(op="placeholder")]
+    with tracing(TracingContext(detect_fake_mode(fakes))):
+        return _backend(backend)(gm, fakes)
 
 
 def _backend(backend):
@@ -699,9 +742,12 @@ def compile_step(fn=None, *, model, optimizer=None, backend="inductor", cuda_gra
     * Results carry no autograd history: the step has run its own backward.
     * Other Python state the step reads (a module's other attributes, globals) is fixed at trace time: after
       changing it, call ``reset()`` on the returned ``CompiledStep``.
-    * A step that reads a value (``loss.item()``), or a tensor that is not an argument, a parameter, a buffer or
-      optimizer state, or changes a number the optimizer keeps in Python, or takes an argument that requires
-      grad, raises ``StepNotTraceable`` on every rank; so does drawing random global tensors on CUDA.
+    * Numbers read from tensors and sizes that depend on the values (routing, masks, exchanged counts) are symbols
+      of the program, computed from each call's own data. A step that decides by such a value (a branch on it,
+      returning it, a global tensor whose shape it sets), or reads a tensor that is not an argument, a parameter, a
+      buffer or optimizer state, or changes a number the optimizer keeps in Python, or takes an argument that
+      requires grad, raises ``StepNotTraceable`` on every rank, naming the line that read the value; so does
+      drawing random global tensors on CUDA.
     * With ``cuda_graphs=True`` a program runs as it is on its first call, and is recorded as a CUDA graph and
       replayed from its second: the step's results are copies, kept across calls. It needs the state and the
       tensor arguments on one CUDA device and a program without collectives (a one-rank placement, or layouts that

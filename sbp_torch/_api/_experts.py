@@ -25,7 +25,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import is_fake
 
 from .. import _comm as comm
 from .._layout import Broadcast, GlobalMeta, Placement, Split, broadcast, partial_sum
@@ -98,13 +97,13 @@ class ExpertsRegion:
         kept = getattr(self.module, self.kind.count)
         setattr(self.module, self.kind.count, count)
         try:
-            ones = torch.ones(len(rows), 1, dtype=rows.dtype, device=rows.device)
+            ones = rows.new_ones(rows.shape[0], 1)
             return self.original(rows, expert.unsqueeze(-1), ones) + zero
         finally:
             setattr(self.module, self.kind.count, kept)
 
     def _body(self, hidden, top_k_index, top_k_weights, *, held: "_Held", group):
-        if is_fake(hidden):  # explain: routing has no values; the exchanges are listed as data-dependent
+        if comm.estimating():  # explain: routing has no values; the exchanges are listed as data-dependent
             if group is not None:
                 _note_exchanges(group, held)
                 hidden = _NotedInBackward.apply(hidden, group)
@@ -117,19 +116,23 @@ class ExpertsRegion:
         dest, start = table.dest[expert], table.start[expert]
         key = torch.where(dest >= 0, dest * held.most + expert - start, held.slots)
         order = torch.argsort(key, stable=True)
-        counts = torch.bincount(key, minlength=held.slots + 1)[: held.slots].view(held.members, held.most)
+        # (a count per slot by index_add, of a size known without the data: bincount's is data-dependent)
+        counts = key.new_zeros(held.slots + 1).index_add_(0, key, torch.ones_like(key))
+        counts = counts[: held.slots].view(held.members, held.most)
         if group is None:  # only this rank's experts, for every token
-            sent = int(counts.sum())
+            sent = counts.sum().item()  # (traced: a symbol of the program, as the counts below)
             rows = order[:sent]
             out = self._experts(hidden[rows // k], expert[rows] - start[rows], held.count)
             return _combined(out, rows, k, top_k_weights, hidden)
         label = _COUNTS  # noqa: F841  (read by explain)
         received = comm.all_to_all(counts, 0, 0, [1] * group.size, [1] * group.size, group)
-        send, recv = torch.stack([counts.sum(1), received.sum(1)]).tolist()  # the one read of the routing
+        # The one read of the routing. Traced, the counts are symbols of the program (sizes known when it runs).
+        send, recv = torch.stack([counts.sum(1), received.sum(1)]).tolist()
         rows = order[: sum(send)]
         arrived = _Exchange.apply(hidden[rows // k], send, recv, group, _DISPATCH)
         local = torch.arange(held.most, device=hidden.device).repeat(group.size)
-        out = self._experts(arrived, torch.repeat_interleave(local, received.reshape(-1)), held.count)
+        experts = torch.repeat_interleave(local, received.reshape(-1), output_size=arrived.shape[0])
+        out = self._experts(arrived, experts, held.count)
         return _combined(_Exchange.apply(out, recv, send, group, _COMBINE), rows, k, top_k_weights, hidden)
 
 
@@ -191,6 +194,8 @@ class _Held:
         return self.members * self.most
 
     def tables(self, device) -> _Tables:
+        if comm.compiling():  # (made inside the traced program: a tensor cached from an eager call is not its own)
+            return _tables.__wrapped__(self, device)
         return _tables(self, device)
 
 

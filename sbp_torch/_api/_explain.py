@@ -122,7 +122,7 @@ def explain(fn, *args, backward: bool = True, **kwargs) -> Explanation:
         return mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
 
     args, kwargs = tree_map(fake, (args, kwargs))
-    with comm.observing(recorder(found, phase), as_traced=True), mode:
+    with comm.observing(recorder(found, phase), estimate=True), mode:
         out = fn(*args, **kwargs)
         outputs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.requires_grad]
         if backward and outputs:

@@ -26,7 +26,16 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .._layout import Broadcast, GlobalMeta, Partial, Placement, Split, normalize_sbp, partial_sum
+from .._layout import (
+    Broadcast,
+    GlobalMeta,
+    Partial,
+    Placement,
+    Split,
+    normalize_sbp,
+    partial_sum,
+    refuse_value_dependent,
+)
 from .._tensor import GlobalTensor, from_whole, gradient, gradient_sbp, has_extreme, to_local, to_sbp
 from ._global_mode import outside_global_mode
 from ._module_tensors import module_tensors
@@ -161,6 +170,7 @@ def run_locally(fn, placement: Placement, args: tuple, in_sbps: tuple, out_sbps,
             _check_output(out, sbp, divided, f"{what}: output {k}")
         outs = _reaching_every_input(outs, needing)
     for k, (out, sbp) in enumerate(zip(outs, out_sbps)):
+        refuse_value_dependent(out.shape, f"{what}: output {k}'s part on this rank")
         if out_shapes is None:
             flat[positions[k]] = to_global(out, placement, sbp)
         else:

@@ -34,5 +34,5 @@ from ._faults import (
     posted_failures,
 )
 from ._groups import AxisGroup, axis_group, ensure_groups, forget_groups
-from ._primitives import local_failure, notify, observing, traced
+from ._primitives import estimating, local_failure, notify, observing, traced
 from ._step_calls import announce_call, announce_step, programs_run, ranks_running

@@ -9,6 +9,7 @@ holds none of it."""
 import torch.distributed as dist
 from torch.utils._python_dispatch import _disable_current_modes
 
+from .._layout import refuse_value_dependent
 from ._compiled import agree_while_compiling, compiling
 from ._faults import collective_failed
 
@@ -19,6 +20,7 @@ def agree(what: str, agreed, local_shape: tuple[int, ...], check: bool) -> list[
     from rank 0's, naming those ranks; ``what`` names the checked call in messages. In a world of one rank nothing
     is exchanged, so nothing waits for a GPU."""
     if compiling():
+        refuse_value_dependent(local_shape, f"{what}: this rank's part")
         local_shape = tuple(int(s) for s in local_shape)
         gathered = agree_while_compiling((what, agreed, local_shape), (agreed, local_shape))
         return _checked(what, gathered, check)

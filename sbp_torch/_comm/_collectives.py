@@ -118,7 +118,7 @@ def _all_to_all(
         shape[split_dim] = send_sizes[group.index]
         shape[cat_dim] = size
         recv_shapes.append(shape)
-    recv_counts = [torch.Size(s).numel() for s in recv_shapes]
+    recv_counts = [math.prod(s) for s in recv_shapes]  # (sizes may be data-dependent symbols: no torch.Size)
     out_counts = _to_group_order(group, recv_counts)
     received = call.all_to_all(send_flat, out_counts, in_counts, "all-to-all", group)
     if cat_dim == 0 and group.in_rank_order:  # the parts arrived end to end in row order: the buffer is the result

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch._guards import CompileContext
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
+from torch.fx.experimental.symbolic_shapes import has_free_unbacked_symbols
 
 from ._faults import close_world
 
@@ -251,8 +252,8 @@ def _collectives_of(gm) -> list[Traced]:
         ranks = tuple(sorted(dist.get_process_group_ranks(group)))
         sends = receives = None
         if name == "all_to_all_single":
-            receives, sends = (tuple(int(c) for c in counts) for counts in node.args[1:3])
-        found.append(Traced(name, ranks, str(sent.dtype), tuple(int(d) for d in sent.shape), sends, receives))
+            receives, sends = (tuple(map(_size, counts)) for counts in node.args[1:3])
+        found.append(Traced(name, ranks, str(sent.dtype), tuple(map(_size, sent.shape)), sends, receives))
     return found
 
 
@@ -286,10 +287,22 @@ def record(kind: str, group, tensor: torch.Tensor, sends=None, receives=None) ->
     compilation.ranks.update(group.ranks if placement is None else placement.flat_ranks)
     if get_proxy_mode() is None:  # Dynamo's run on fake parts, or AOTAutograd's analysis: no graph is made
         return
-    as_tuple = lambda counts: None if counts is None else tuple(int(c) for c in counts)  # noqa: E731
-    shape = tuple(int(s) for s in tensor.shape)
+    as_tuple = lambda counts: None if counts is None else tuple(map(_size, counts))  # noqa: E731
+    shape = tuple(map(_size, tensor.shape))
     entry = Traced(kind, tuple(sorted(group.ranks)), str(tensor.dtype), shape, as_tuple(sends), as_tuple(receives))
     compilation.graphs.append(entry)
+
+
+# A size known only when the program runs (rows routed to experts): an unbacked symbol of the trace
+DATA_DEPENDENT = "data-dependent"
+
+
+def _size(value) -> int | str:
+    """A size or count of a traced collective as the ranks compare it: its number (a dynamic size's, which the
+    program is guarded on), or ``DATA_DEPENDENT``."""
+    if isinstance(value, torch.fx.Node):
+        value = value.meta.get("val")
+    return DATA_DEPENDENT if has_free_unbacked_symbols(value) else int(value)
 
 
 def note_placement(placement) -> None:

@@ -29,20 +29,31 @@ _all_gather_even = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 _reduce_scatter_even = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-# Who is told of each collective this context issues: None, or (callback, whether to stop at the functional
-# op as if traced). ``sbp_torch.explain`` stops there, on fake parts, so that nothing is sent.
+# Who is told of each collective this context issues: None, or (callback, whether the context only estimates).
+# ``sbp_torch.explain`` and the planner estimate: they run a step on fake or meta parts to see what it would do.
 _OBSERVER: contextvars.ContextVar = contextvars.ContextVar("sbp_torch_collective_observer", default=None)
 
 
 @contextlib.contextmanager
-def observing(callback, as_traced: bool = False):
+def observing(callback, estimate: bool = False):
     """Within the block, call ``callback(kind, group, bytes this rank puts in)`` before each collective this context
-    issues; ``as_traced``: issue the functional ops, as when traced (on fake parts they move nothing)."""
-    token = _OBSERVER.set((callback, as_traced))
+    issues. ``estimate``: the block runs a step only to see what it would do, on fake or meta parts, and throws its
+    results away (``estimating()``); its collectives are the functional ops a traced program holds, which move
+    nothing there."""
+    token = _OBSERVER.set((callback, estimate))
     try:
         yield
     finally:
         _OBSERVER.reset(token)
+
+
+def estimating() -> bool:
+    """Whether the running code only estimates a step (``observing(..., estimate=True)``: ``explain``, the
+    planner), whose results nobody keeps. Only there may code that needs values it does not have (routing counts)
+    stand in for them. A step traced into a program also runs on fake parts, but its results are the program:
+    there, code must take the path that computes, and whether a part is fake tells nothing."""
+    observer = _OBSERVER.get()
+    return observer is not None and observer[1]
 
 
 def notify(kind: str, group: AxisGroup, nbytes) -> None:
@@ -53,9 +64,8 @@ def notify(kind: str, group: AxisGroup, nbytes) -> None:
 
 
 def traced() -> bool:
-    """Whether a collective must be a functional op: torch.compile traces the running code, or ``explain``."""
-    observer = _OBSERVER.get()
-    return compiling() or (observer is not None and observer[1])
+    """Whether a collective must be a functional op: torch.compile traces the running code, or a step is estimated."""
+    return compiling() or estimating()
 
 
 def _issue(kind: str, group: AxisGroup, tensor: torch.Tensor, sends=None, receives=None) -> bool:

@@ -2,12 +2,14 @@
 
 from ._meta import (
     GlobalMeta,
+    ValueDependentShape,
     balanced_part,
     balanced_sizes,
     contiguous_strides,
     narrow_to,
     normalize_sbp,
     partials_as_broadcast,
+    refuse_value_dependent,
 )
 from ._placement import placement as Placement
 from ._random import device_draws_refused, random_region

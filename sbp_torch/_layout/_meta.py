@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch.fx.experimental.symbolic_shapes import has_free_unbacked_symbols
 
 from ._placement import placement as Placement
 from ._sbp import Broadcast, Partial, SbpType, Split, broadcast, check_partial_dtype
@@ -26,6 +27,23 @@ def balanced_sizes(n: int, parts: int) -> list[int]:
     """The lengths of the ``parts`` balanced parts of ``n`` rows."""
     base, extra = divmod(n, parts)
     return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+class ValueDependentShape(RuntimeError):
+    """A shape every rank must know would depend on the values of the data: an op whose output size is known only
+    when it runs (``nonzero``, a boolean mask, ``unique``, a slice by a number read from a tensor), traced into a
+    program. A traced program fixes the shapes of its global tensors and of the parts it agrees on."""
+
+
+def refuse_value_dependent(shape, what: str) -> None:
+    """Raise ``ValueDependentShape`` if ``shape`` (of ``what``) holds a size that is a symbol of the data."""
+    if has_free_unbacked_symbols(tuple(shape)):
+        raise ValueDependentShape(
+            f"{what} would have the shape {tuple(shape)}, whose sizes depend on the values of the data (symbols of "
+            "the traced program), and every rank must know it when the program is traced: keep such sizes inside a "
+            "local_map region whose outputs have a known shape (a mask, or a fixed capacity), or run this part "
+            "eagerly"
+        )
 
 
 @functools.lru_cache(maxsize=4096)

@@ -17,7 +17,7 @@ except ImportError:
 
 from .._boxing import box_local
 from .._comm import note_placement
-from .._layout import GlobalMeta, broadcast, contiguous_strides, normalize_sbp
+from .._layout import GlobalMeta, broadcast, contiguous_strides, normalize_sbp, refuse_value_dependent
 from ._gradient import gradient_part, gradient_sbp, has_extreme, in_layout_of
 
 _new_wrapper = torch.Tensor._make_wrapper_subclass
@@ -45,11 +45,15 @@ class GlobalTensor(torch.Tensor):
             local = local.resolve_conj()
         if local.is_neg():
             local = local.resolve_neg()
+        try:
+            strides = contiguous_strides(meta.shape)
+        except TypeError:  # (a symbol is no cache key)
+            refuse_value_dependent(meta.shape, f"a global tensor laid out as {meta.sbp}")
+            raise
         # (positional: torch parses keywords of _make_wrapper_subclass more slowly, on every op's output)
         out = _new_wrapper(
-            cls, meta.shape, contiguous_strides(meta.shape), None, None, meta.dtype, torch.strided, local.device,
-            False, requires_grad,
-        )  # fmt: skip
+            cls, meta.shape, strides, None, None, meta.dtype, torch.strided, local.device, False, requires_grad
+        )
         out._local = local
         out._meta = meta
         return out

@@ -116,7 +116,7 @@ def measure(fn, params: list[GlobalTensor]) -> tuple[Measured, object]:
     for p in params:
         p.grad = None
     counting = CountOps(found.ops)
-    with comm.observing(recorder(found.collectives, phase), as_traced=True), counting:
+    with comm.observing(recorder(found.collectives, phase), estimate=True), counting:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = fn()
         outputs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.requires_grad]
