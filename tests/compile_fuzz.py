@@ -1,11 +1,16 @@
 """Random programs on global tensors, compiled, against the same programs on plain tensors in one process.
 
-Each program is a random chain of element-wise ops, a matrix product, softmax, a transpose, a reduction and a
-``to_global`` to another SBP, ending in a loss; its inputs have random uneven shapes and random SBPs (partial
-included) on a 3-rank line or a 2x2 mesh. It is compiled with ``aot_eager`` and with ``inductor``, then called three
-times: a layout, the same again, other SBPs (and for odd seeds other shapes). Each call, forward and backward, must
-give the numbers of one process on every rank, or raise on every rank; a rank that dies (an abort) or a world that
-stops answering (a hang) is a failure. ``test_compile.py`` runs a few programs; the whole fuzz is a command:
+Each program is a random chain of element-wise ops, a matrix product, softmax, a transpose, a reduction, a
+``to_global`` to another SBP and routing steps whose result depends on the values (top-k, sorting, rows scattered by
+an index computed from the data, a mask), ending in a loss; its inputs have random uneven shapes and random SBPs
+(partial included) on a 3-rank line or a 2x2 mesh. It is compiled with ``aot_eager`` and with ``inductor`` and
+called three times: a layout, the same again, other SBPs (and for odd seeds other shapes). It also runs as a
+training step through ``compile_step`` (the weight a parameter, SGD): four calls, the first eager, the second
+traced, the third the same program on a batch that routes otherwise, the fourth another layout of the batch.
+Every call draws new values, so a routing the trace kept would give wrong numbers. Each call, forward and backward
+(and the parameter after the step), must give the numbers of one process on every rank, or raise on every rank; a
+rank that dies (an abort) or a world that stops answering (a hang) is a failure. ``test_compile.py`` runs a few
+programs; the whole fuzz is a command:
 
     python tests/compile_fuzz.py --programs 100 --seed 0
 
@@ -34,10 +39,21 @@ from sbp_torch.sbp import split as S
 from op_check import layout
 
 WORLDS = {"line": (3, [0, 1, 2]), "mesh": (4, [[0, 1], [2, 3]])}
-BACKENDS = ("aot_eager", "inductor")
+BACKENDS = ("aot_eager", "inductor", "compile_step")
 INPUT_SBPS = [B, P, S(0), S(1)]
 MOVE_SBPS = [B, S(0), S(1)]  # to_global inside a program: to a partial would change the value
 STEPS = ["tanh", "affine", "square", "relu", "softmax", "transpose", "move", "matmul"]
+ROUTING = ["top-k", "sort", "route", "mask"]  # steps whose result depends on which entries the values pick
+
+
+def draw_routing(seed: int, steps: list[str]) -> list[str]:
+    """``steps`` with 0-2 routing steps put in, drawn from a generator of their own, so that the rest of a
+    program's draws (which the seeds of earlier failures name) stay as they were."""
+    rng = random.Random(f"routing {seed}")
+    steps = list(steps)
+    for _ in range(rng.randint(0, 2)):
+        steps.insert(rng.randint(0, len(steps)), rng.choice(ROUTING))
+    return steps
 
 
 def draw_program(rng: random.Random) -> list[str]:
@@ -74,18 +90,30 @@ def make_program(steps: list[str], move_sbps: list[tuple], reduce_dim: int):
                 h = h.to_global(sbp=sbp) if h.is_global else h
             elif step == "matmul":
                 h = h @ w if h.shape[-1] == w.shape[0] else h.t() @ w
+            elif step == "top-k":  # each row keeps its two largest entries
+                kept = h.topk(min(2, h.shape[-1]), dim=-1).indices
+                h = torch.zeros_like(h).scatter(-1, kept, h.gather(-1, kept))
+            elif step == "sort":
+                h = h.sort(dim=-1).values.cumsum(-1)
+            elif step == "route":  # each row added into the row its largest entry names, as tokens to experts
+                h = torch.zeros_like(h).index_add(0, h.argmax(-1) % h.shape[0], h)
+            elif step == "mask":
+                h = h.masked_fill(h < 0, 0.0) + torch.where(h > 0.5, h, -h) * 0.25
         return h.sum(reduce_dim).pow(2).mean() + (w * 0.5).sum()
 
     return program
 
 
-def run_program(seed: int, world: str, backends: tuple[str, ...] = BACKENDS) -> list[tuple]:
-    """Program ``seed`` on this rank, with each of ``backends`` and three calls each: a list of (backend, call,
-    outcome), where outcome is "match", "wrong" or "raised <type>"."""
+def run_program(seed: int, world: str, backends: tuple[str, ...] = BACKENDS, routing: bool = True) -> list[tuple]:
+    """Program ``seed`` on this rank, with each of ``backends`` (three calls each, four as a ``compile_step``): a list
+    of (backend, call, outcome), where outcome is "match", "wrong" or "raised <type>". ``routing``: with the routing
+    steps of ``draw_routing`` (without: the programs seeds drew before there were any)."""
     rng = random.Random(seed)
     p = st.placement("cpu", WORLDS[world][1])
     steps = draw_program(rng)
     move_sbps = [draw_sbp(rng, p.ndim, MOVE_SBPS) for _ in steps]
+    if routing:
+        steps = draw_routing(seed, steps)
     reduce_dim = rng.randint(0, 1)
     shapes = [(rng.randint(1, 7), rng.randint(1, 7), rng.randint(1, 7)) for _ in range(2)]
     layouts = [(draw_sbp(rng, p.ndim, INPUT_SBPS), draw_sbp(rng, p.ndim, INPUT_SBPS)) for _ in range(2)]
@@ -95,14 +123,67 @@ def run_program(seed: int, world: str, backends: tuple[str, ...] = BACKENDS) -> 
     outcomes = []
     torch._inductor.config.compile_threads = 1  # (no compile workers: the ranks share the cores)
     for backend in backends:
-        torch._dynamo.reset()
-        compiled = torch.compile(program, backend=backend, fullgraph=True)
-        for index, ((m, n, k), (x_sbp, w_sbp)) in enumerate(calls):
-            gen = torch.Generator().manual_seed(seed * 10 + index)
-            X, W = torch.randn(m, n, generator=gen), torch.randn(n, k, generator=gen)
-            outcomes.append((backend, index, _call(compiled, program, X, W, p, x_sbp, w_sbp)))
-            if outcomes[-1][2].startswith("raised"):
-                return outcomes  # the world may be out of step or closed: the driver starts a fresh one
+        if backend == "compile_step":
+            outcomes += _as_step(program, p, seed, shapes[0], [layouts[0][0]] * 3 + [layouts[1][0]], layouts[0][1])
+        else:
+            torch._dynamo.reset()
+            compiled = torch.compile(program, backend=backend, fullgraph=True)
+            for index, ((m, n, k), (x_sbp, w_sbp)) in enumerate(calls):
+                gen = torch.Generator().manual_seed(seed * 10 + index)
+                X, W = torch.randn(m, n, generator=gen), torch.randn(n, k, generator=gen)
+                outcomes.append((backend, index, _call(compiled, program, X, W, p, x_sbp, w_sbp)))
+                if outcomes[-1][2].startswith("raised"):
+                    return outcomes  # the world may be out of step or closed: the driver starts a fresh one
+        if outcomes and outcomes[-1][2].startswith("raised"):
+            return outcomes
+    return outcomes
+
+
+class _Weight(torch.nn.Module):
+    def __init__(self, w: torch.Tensor):
+        super().__init__()
+        self.w = torch.nn.Parameter(w)
+
+
+def _as_step(program, p, seed: int, shape, x_sbps: list, w_sbp) -> list[tuple]:
+    """``program`` as an SGD training step through ``compile_step``, its weight a parameter laid out as ``w_sbp``,
+    one call per batch layout of ``x_sbps`` (new values each): per call, whether the loss and the updated weight
+    are one process's."""
+    import sbp_torch as st_
+
+    m, n, k = shape
+    gen = torch.Generator().manual_seed(seed * 10)
+    reference = _Weight(torch.randn(n, k, generator=gen))
+    model = _Weight(reference.w.detach().clone()).to_global(p, {"w": w_sbp})
+    ref_opt, optimizer = (torch.optim.SGD(m_.parameters(), lr=0.1) for m_ in (reference, model))
+
+    def step(x):
+        loss = program(x, model.w)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    compiled = st_.compile_step(step, model=model, optimizer=optimizer, backend="inductor")
+    outcomes = []
+    for index, x_sbp in enumerate(x_sbps):
+        X = torch.randn(m, n, generator=gen)
+        try:
+            want = program(X, reference.w)
+            ref_opt.zero_grad()
+            want.backward()
+            ref_opt.step()
+        except RuntimeError:  # the chain does not fit these shapes in one process either
+            outcomes.append(("compile_step", index, "skipped"))
+            break
+        try:
+            loss = compiled(layout(X, p, x_sbp))
+            got = [loss.full_tensor(), model.w.full_tensor()]
+        except Exception as err:  # noqa: BLE001 - every error counts; the driver checks all ranks raised
+            outcomes.append(("compile_step", index, f"raised {type(err).__name__}: {str(err).splitlines()[0][:200]}"))
+            break
+        close = all(torch.allclose(g, r, rtol=1e-4, atol=1e-4) for g, r in zip(got, [want.detach(), reference.w]))
+        outcomes.append(("compile_step", index, "match" if close else "wrong"))
     return outcomes
 
 

@@ -473,7 +473,8 @@ def test_the_first_difference_between_compiled_programs_is_named():
 def test_random_programs_that_left_ranks_out_of_step(size, world, seed, backends):
     import compile_fuzz
 
-    per_rank = run_on_world(size, compile_fuzz.run_program, seed, world, backends, _timeout=400)
+    # (without routing steps: the programs these seeds drew when they failed)
+    per_rank = run_on_world(size, compile_fuzz.run_program, seed, world, backends, False, _timeout=400)
     for calls in zip(*per_rank):
         assert {c[2] for c in calls} == {"match"}, calls
 
@@ -481,8 +482,10 @@ def test_random_programs_that_left_ranks_out_of_step(size, world, seed, backends
 def test_a_few_random_programs_compiled():
     import compile_fuzz
 
+    # seed 6 puts a mask and a sort (routing steps) around its matrix product; three calls of each backend, four
+    # of compile_step
     per_rank = run_on_world(3, compile_fuzz.run_batch, [6], "line", _timeout=400)
     outcomes = [o for o in per_rank[0][0]]
-    assert len(outcomes) == 6, outcomes
+    assert len(outcomes) == 10, outcomes
     for calls in zip(*(rank[0] for rank in per_rank)):
         assert {c[2] for c in calls} == {"match"}, calls
