@@ -1,8 +1,9 @@
 """Global programs under ``torch.compile`` give the single-process result, forward and backward.
 
 Each test compiles a program on global tensors (``fullgraph=True``) and compares it with the same program on
-plain tensors in one process. Most use the ``aot_eager`` backend (it runs the traced graph as traced, so a
-wrong trace shows as a wrong number); a few use ``inductor``, which must also lower the collectives."""
+plain tensors in one process, at every call; a call after the trace gets new values, so that a program that kept
+what its traced values gave is wrong there. Most use the ``aot_eager`` backend (it runs the traced graph as
+traced, so a wrong trace shows as a wrong number); a few use ``inductor``, which must also lower the collectives."""
 
 from __future__ import annotations
 
@@ -27,14 +28,15 @@ from world import run_on_world
 pytestmark = pytest.mark.gloo
 
 
-def _mlp_inputs(rows, inner, hidden):
-    gen = torch.Generator().manual_seed(0)
+def _mlp_inputs(rows, inner, hidden, seed=0):
+    gen = torch.Generator().manual_seed(seed)
     return [torch.randn(shape, generator=gen) for shape in ((rows, inner), (inner, hidden), (hidden, inner))]
 
 
 ISSUE_SIZES = (32, 64, 128)  # the reproduction in the issue: every split even on 2 ranks
 UNEVEN_SIZES = (33, 17, 31)  # no split of these is even on 2, 3 or 4 ranks
 X, W1, W2 = _mlp_inputs(*ISSUE_SIZES)
+OTHER_X = _mlp_inputs(*ISSUE_SIZES, seed=1)[0]  # for a call after the trace: a program must not keep X's values
 
 
 def mlp_loss(x, w1, w2):
@@ -59,17 +61,20 @@ def compiled(fn, backend="aot_eager"):
 
 def _mlp_loss_and_grads(ranks, backend, x_sbps, w1_sbp, w2_sbp, sizes=ISSUE_SIZES):
     """The issue's reproduction: loss and gradients of ``mlp_loss`` compiled, for ``x`` in each of ``x_sbps``
-    in turn, against one process; returns the number of graphs compiled."""
+    in turn (new values each time), against one process; returns the number of graphs compiled."""
     p = st.placement("cpu", ranks)
-    X, W1, W2 = _mlp_inputs(*sizes)
+    _, W1, W2 = _mlp_inputs(*sizes)
     graphs = Graphs(backend)
     torch._dynamo.reset()
     f = torch.compile(mlp_loss, backend=graphs, fullgraph=True)
     w1 = layout(W1, p, w1_sbp).detach().requires_grad_()
     w2 = layout(W2, p, w2_sbp).detach().requires_grad_()
-    ref_w1, ref_w2 = W1.clone().requires_grad_(), W2.clone().requires_grad_()
-    mlp_loss(X, ref_w1, ref_w2).backward()
+    new_values = torch.Generator().manual_seed(1)
     for x_sbp in x_sbps:
+        # new values at every call, so that a graph reused is never given the values it was traced with
+        X = torch.randn(sizes[:2], generator=new_values)
+        ref_w1, ref_w2 = W1.clone().requires_grad_(), W2.clone().requires_grad_()
+        mlp_loss(X, ref_w1, ref_w2).backward()
         w1.grad = w2.grad = None
         loss = f(layout(X, p, x_sbp), w1, w2)
         loss.backward()
@@ -93,7 +98,7 @@ def test_a_layout_change_recompiles_and_a_repeated_one_does_not():
 
 
 def test_mesh_with_uneven_parts():
-    x_sbps = [(S(0), B), (S(1), S(0))]
+    x_sbps = [(S(0), B), (S(1), S(0)), (S(0), B)]  # the last runs the first's program on new values
     run_on_world(4, _mlp_loss_and_grads, [[0, 1], [2, 3]], "aot_eager", x_sbps, (B, S(1)), (S(1), S(0)), UNEVEN_SIZES)
 
 
@@ -103,7 +108,6 @@ SBPS = [B, P, PMAX, S(0), S(1)]
 def _compiled_program(ranks, rows, cols, sbps):
     p = st.placement("cpu", ranks)
     gen = torch.Generator().manual_seed(rows * 100 + cols)
-    a, b = torch.randn(rows, cols, generator=gen), torch.randn(rows, cols, generator=gen)
 
     def program(a, b):
         h = torch.tanh(a * 2.0 + b).softmax(dim=-1)
@@ -111,7 +115,9 @@ def _compiled_program(ranks, rows, cols, sbps):
 
     fast = compiled(program)
     run = lambda *args: fast(*args) if args[0].is_global else program(*args)  # noqa: E731
-    check_op(run, [a, b], p, sbps)
+    for _ in range(2):  # the traced program, then the same program on new values
+        a, b = torch.randn(rows, cols, generator=gen), torch.randn(rows, cols, generator=gen)
+        check_op(run, [a, b], p, sbps)
 
 
 @given(
@@ -126,9 +132,9 @@ def test_random_layouts_compiled_match_one_process(world, rows, cols, sbps):
 
 
 def _to_global_inside(ranks):
-    """``to_global`` of this rank's uneven part inside a compiled function: the parts change, on some ranks only,
-    and every call gives the one-process result (the part is laid out at each call, outside the compiled graphs);
-    with ``fullgraph=True`` every rank raises, naming why."""
+    """``to_global`` of this rank's uneven part inside a compiled function: the parts' sizes change, on some ranks
+    only, their values at every call, and every call gives the one-process result (the part is laid out at each
+    call, outside the compiled graphs); with ``fullgraph=True`` every rank raises, naming why."""
     p = st.placement("cpu", ranks)
     me = torch.distributed.get_rank()
 
@@ -139,9 +145,11 @@ def _to_global_inside(ranks):
     graphs = Graphs("aot_eager")
     torch._dynamo.reset()
     f = torch.compile(program, backend=graphs, dynamic=False)
-    # (5, 3, 3) and (3, 2, 4) mix the parts of the first two: each rank alone has seen its part before
+    # (5, 3, 3) and (3, 2, 4) mix the sizes of the first two: each rank alone has seen its part's size before; new
+    # values at every call, so that a graph reused is never given the values it was traced with
+    new_values = torch.Generator().manual_seed(0)
     for sizes in ([5, 2, 4], [5, 2, 4], [3, 3, 3], [5, 3, 3], [3, 2, 4]):
-        parts = [torch.randn(n, 6, generator=torch.Generator().manual_seed(n)) for n in sizes]
+        parts = [torch.randn(n, 6, generator=new_values) for n in sizes]
         full = torch.cat(parts)
         got = f(parts[me], layout(full, p, B))
         torch.testing.assert_close(got.full_tensor(), (full * full).sum(0), msg=str(sizes))
@@ -156,9 +164,6 @@ def test_to_global_inside_a_compiled_program():
 
 def _to_global_under_global_mode(ranks):
     p = st.placement("cpu", ranks)
-    x, w1 = layout(X, p, S(0)), layout(W1, p, S(0)).detach().requires_grad_()
-    w2_part = W2.tensor_split(len(ranks))[torch.distributed.get_rank()]
-    ref_w1 = W1.clone().requires_grad_()
 
     def program(x, w1, w2_part):
         # Dynamo hands the method to the torch function mode, which calls it as a function; and the function form,
@@ -167,12 +172,18 @@ def _to_global_under_global_mode(ranks):
             return mlp_loss(x, w1.to_global(sbp=B), st.to_global(w2_part, p, S(0)))
 
     torch._dynamo.reset()
-    loss = torch.compile(program, backend="aot_eager")(x, w1, w2_part)
-    loss.backward()
-    want = mlp_loss(X, ref_w1, W2)
-    want.backward()
-    torch.testing.assert_close(loss.full_tensor(), want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(w1.grad.full_tensor(), ref_w1.grad, rtol=1e-4, atol=1e-5)
+    f = torch.compile(program, backend="aot_eager")
+    for seed in (0, 1):  # the traced program, then the same program on new values
+        full_x, full_w1, full_w2 = _mlp_inputs(*ISSUE_SIZES, seed=seed)
+        x, w1 = layout(full_x, p, S(0)), layout(full_w1, p, S(0)).detach().requires_grad_()
+        w2_part = full_w2.tensor_split(len(ranks))[torch.distributed.get_rank()]
+        ref_w1 = full_w1.clone().requires_grad_()
+        loss = f(x, w1, w2_part)
+        loss.backward()
+        want = mlp_loss(full_x, ref_w1, full_w2)
+        want.backward()
+        torch.testing.assert_close(loss.full_tensor(), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(w1.grad.full_tensor(), ref_w1.grad, rtol=1e-4, atol=1e-5)
 
 
 def test_to_global_under_global_mode_inside_a_compiled_program():
@@ -182,9 +193,11 @@ def test_to_global_under_global_mode_inside_a_compiled_program():
 def _across_placements():
     line, pair = st.placement("cpu", [0, 1, 2]), st.placement("cpu", [2, 0])
     layout(X, pair, B)  # the process groups of a placement are made outside the compiled program
-    got = compiled(lambda x: (x.to_global(pair, S(1)) * 2).sum(1))(layout(X, line, S(0)))
-    if torch.distributed.get_rank() in pair:
-        torch.testing.assert_close(got.full_tensor(), (X * 2).sum(1))
+    f = compiled(lambda x: (x.to_global(pair, S(1)) * 2).sum(1))
+    for full in (X, OTHER_X):  # the traced program, then the same program on new values
+        got = f(layout(full, line, S(0)))
+        if torch.distributed.get_rank() in pair:
+            torch.testing.assert_close(got.full_tensor(), (full * 2).sum(1))
     # with a gradient, rank 1 (outside the pair) would wait in the compiled backward: every rank refuses instead
     x = layout(X, line, S(0)).detach().requires_grad_()
     with pytest.raises(Exception, match="inside a compiled program, with a gradient"):
@@ -206,16 +219,19 @@ def _optimizer_step(ranks, backend):
     torch._dynamo.reset()
     step = torch.compile(optimizer.step, backend=backend)
     forward = torch.compile(model, backend=backend, fullgraph=True)
-    x = X[:, :16]
+    new_values = torch.Generator().manual_seed(1)
     for _ in range(3):
+        x = torch.randn(32, 16, generator=new_values)  # new values at every step, traced or not
         optimizer.zero_grad()
         reference_optimizer.zero_grad()
-        forward(layout(x, p, S(0))).pow(2).mean().backward()
-        reference(x).pow(2).mean().backward()
+        loss, want = forward(layout(x, p, S(0))).pow(2).mean(), reference(x).pow(2).mean()
+        loss.backward()
+        want.backward()
         step()
         reference_optimizer.step()
-    torch.testing.assert_close(model.weight.full_tensor(), reference.weight)
-    torch.testing.assert_close(model.bias.full_tensor(), reference.bias)
+        torch.testing.assert_close(loss.full_tensor(), want)
+        torch.testing.assert_close(model.weight.full_tensor(), reference.weight)
+        torch.testing.assert_close(model.bias.full_tensor(), reference.bias)
 
 
 def test_compiled_adamw_steps_match_one_process():
@@ -228,20 +244,25 @@ def _reduced_in_compiled_backward(ranks, backend):
     from sbp_torch import _comm
 
     p = st.placement("cpu", ranks)
-    x = torch.randn(13, 17, generator=torch.Generator().manual_seed(2))  # uneven rows on 3 ranks
     torch.manual_seed(0)
     # (LayerNorm: F.layer_norm passes its weight and bias to torch as keywords)
     reference = torch.nn.Sequential(
         torch.nn.Linear(17, 31), torch.nn.LayerNorm(31), torch.nn.ReLU(), torch.nn.Linear(31, 17)
     )
     model = copy.deepcopy(reference).to_global(p, B)
-    reference(x).pow(2).mean().backward()
+    fast = compiled(model, backend)
     issued = {}
-    for name, forward in (("eager", model), ("compiled", compiled(model, backend))):
+    # the second compiled call runs the traced program on new values
+    for name, forward, seed in (("eager", model, 2), ("compiled", fast, 2), ("compiled", fast, 3)):
+        x = torch.randn(13, 17, generator=torch.Generator().manual_seed(seed))  # uneven rows on 3 ranks
+        reference.zero_grad()
+        want_loss = reference(x).pow(2).mean()
+        want_loss.backward()
         model.zero_grad()
         loss = forward(layout(x, p, S(0))).pow(2).mean()
         with _comm.observing(lambda kind, group, nbytes, name=name: issued.setdefault(name, []).append(kind)):
             loss.backward()
+        torch.testing.assert_close(loss.full_tensor(), want_loss)
         for param, want in zip(model.parameters(), reference.parameters()):
             assert param.grad.sbp == (B,)
             torch.testing.assert_close(param.grad.full_tensor(), want.grad)
@@ -257,8 +278,9 @@ def _mixed(ranks):
     p = st.placement("cpu", ranks)
     w1, w2 = layout(W1, p, S(1)), layout(W2, p, S(0))
     fast = compiled(mlp_loss)
-    for x_sbp in (S(0), B):
-        x = layout(X, p, x_sbp)
+    new_values = torch.Generator().manual_seed(1)
+    for x_sbp in (S(0), B, S(0)):  # the last runs the first's program on new values
+        x = layout(torch.randn(X.shape, generator=new_values), p, x_sbp)
         assert torch.equal(fast(x, w1, w2).full_tensor(), mlp_loss(x, w1, w2).full_tensor())
 
 
@@ -326,13 +348,15 @@ def test_explain_lists_what_a_step_issues():
 def _unfold(ranks):
     # unfold's result is a view whose part overlaps itself; its traced gradient must not keep those strides
     p = st.placement("cpu", ranks)
-    x = torch.randn(5, 5, 5, 5, generator=torch.Generator().manual_seed(1))
+    gen = torch.Generator().manual_seed(1)
 
     def program(x):
         return x.unfold(0, 3, 1)
 
     fast = compiled(program)
-    check_op(lambda x: fast(x) if x.is_global else program(x), [x], p, [S(0)])
+    run = lambda x: fast(x) if x.is_global else program(x)  # noqa: E731
+    for _ in range(2):  # the traced program, then the same program on new values
+        check_op(run, [torch.randn(5, 5, 5, 5, generator=gen)], p, [S(0)])
 
 
 def test_the_gradient_of_an_overlapping_view_compiled():
@@ -344,23 +368,31 @@ def _factories_and_an_unused_output(ranks):
     region of the value, split included); an output the loss never reaches gets a plain zero gradient from
     autograd, which the compiled backward takes as that output's global gradient."""
     p = st.placement("cpu", ranks)
-    full = torch.randn(7, 5, generator=torch.Generator().manual_seed(3))  # 7 rows: uneven on 2 and 3 ranks
 
     def program(x):
         positions = torch.arange(x.shape[1], dtype=x.dtype)
         rows = torch.ones(x.shape[0], 1)
         return (x * positions + rows).pow(2).sum(), x.cos()
 
-    want = full.clone().requires_grad_()
-    program(want)[0].backward()
-    for mode_sbp, x_sbp in ((B, S(0)), (S(0), B), (S(1), S(1))):
+    new_values = torch.Generator().manual_seed(3)
+
+    def check(fast, mode_sbp, x_sbp):
+        full = torch.randn(7, 5, generator=new_values)  # new at every call; 7 rows: uneven on 2 and 3 ranks
+        want = full.clone().requires_grad_()
+        program(want)[0].backward()
         x = layout(full, p, x_sbp).detach().requires_grad_()
         with st.global_mode(p, mode_sbp):
-            loss, unused = compiled(program)(x)
+            loss, unused = fast(x)
         assert unused.requires_grad  # its gradient is never asked for
         loss.backward()
         torch.testing.assert_close(loss.full_tensor(), program(full)[0])
         torch.testing.assert_close(x.grad.full_tensor(), want.grad)
+        return x
+
+    for mode_sbp, x_sbp in ((B, S(0)), (S(0), B), (S(1), S(1))):
+        fast = compiled(program)
+        check(fast, mode_sbp, x_sbp)
+    x = check(fast, mode_sbp, x_sbp)  # the last layout's program once more, on new values
     if _global_mode._FACTORIES_BYPASS_MODES_UNDER_DYNAMO:
         return  # torch 2.11's Dynamo does not send randn to the mode: its plain value is taken as a factory's
     with st.global_mode(p), pytest.raises(Exception, match="randn under global mode inside a compiled program"):
@@ -376,17 +408,15 @@ def _convolution_split_by_output_channel(ranks):
     # takes it from an argument (bias_sizes), not from the gradient as the kernel does.
     p = st.placement("cpu", ranks)
     gen = torch.Generator().manual_seed(4)
-    images, filters, bias = (
-        torch.randn(2, 3, 5, 5, generator=gen),
-        torch.randn(7, 3, 3, 3, generator=gen),
-        torch.randn(7, generator=gen),
-    )
 
     def program(x, w, b):
         return torch.nn.functional.conv2d(x, w, b, padding=1).tanh()
 
     fast = compiled(program)
-    check_op(lambda *a: fast(*a) if a[0].is_global else program(*a), [images, filters, bias], p, [B, S(0), S(0)])
+    run = lambda *a: fast(*a) if a[0].is_global else program(*a)  # noqa: E731
+    for _ in range(2):  # the traced program, then the same program on new values
+        images_filters_bias = [torch.randn(shape, generator=gen) for shape in ((2, 3, 5, 5), (7, 3, 3, 3), (7,))]
+        check_op(run, images_filters_bias, p, [B, S(0), S(0)])
 
 
 def test_a_convolution_split_by_output_channel_compiled():
@@ -399,14 +429,16 @@ def _mesh_recompile_with_a_gradient(backend):
     its buffer was made from nothing there, so AOTAutograd put that exchange in their forward graph, and gloo
     aborted on mismatched sizes."""
     p = st.placement("cpu", [[0, 1], [2, 3]])
-    X, W1, W2 = _mlp_inputs(7, 17, 9)
+    _, W1, W2 = _mlp_inputs(7, 17, 9)
     torch._dynamo.reset()
     f = torch.compile(mlp_loss, backend=backend, fullgraph=True)
-    refs = [t.clone().requires_grad_() for t in (X, W1, W2)]
-    mlp_loss(*refs).backward()
     w1 = layout(W1, p, (B, S(1))).detach().requires_grad_()
     w2 = layout(W2, p, (S(1), S(0))).detach().requires_grad_()
+    new_values = torch.Generator().manual_seed(1)
     for x_sbp in [(S(0), B), (S(0), B), (B, S(0))]:
+        X = torch.randn(7, 17, generator=new_values)  # so that the second call does not meet the traced values
+        refs = [t.clone().requires_grad_() for t in (X, W1, W2)]
+        mlp_loss(*refs).backward()
         w1.grad = w2.grad = None
         x = layout(X, p, x_sbp).detach().requires_grad_()
         loss = f(x, w1, w2)
@@ -433,8 +465,10 @@ def _rank_dependent_program(ranks):
     message = str(raised.value)
     assert "collective #0 on the group of ranks [0, 1, 2]: rank 0 issues all-gather" in message, message
     assert "rank 1 issues nothing more" in message, message
-    # the world is still in step: the same program on every rank runs
-    torch.testing.assert_close(compiled(program)(x, True).full_tensor(), X.sum())
+    # the world is still in step: the same program on every rank runs, traced and on new values
+    f = compiled(program)
+    for full in (X, OTHER_X):
+        torch.testing.assert_close(f(layout(full, p, S(0)), True).full_tensor(), full.sum())
 
 
 def test_ranks_whose_compiled_programs_differ_raise_instead_of_aborting():

@@ -132,16 +132,18 @@ def sync_data_body():
         g = x.to_global(p, broadcast, check_meta=False, sync_data=False)
         rows = g.to_global(sbp=split(0))
     unsynced = torch.full((2,), float(rank)).to_global(p, broadcast, check_meta=False, sync_data=False)
-    compiled = torch.compile(
+    twice = torch.compile(
         lambda t: t.to_global(p, broadcast, check_meta=False, sync_data=False) * 2, backend="aot_eager"
-    )(x.detach())
+    )
+    # the traced program, then the same program on new values
+    compiled = [twice(t).full_tensor() for t in (x.detach(), -x.detach())]
     (g * weight.to_global(p, broadcast, check_meta=False, sync_data=False)).sum().backward()
     try:
         g.detach().to_global(sbp=split(0), sync_data=False)
         refused = None
     except ValueError as err:
         refused = str(err)
-    return sent, rows.to_local().detach(), unsynced.to_local(), compiled.full_tensor(), x.grad, refused
+    return sent, rows.to_local().detach(), unsynced.to_local(), compiled, x.grad, refused
 
 
 def broadcast_max_body():
@@ -169,7 +171,7 @@ def test_sync_data_false_takes_each_rank_s_own_part():
         full = torch.arange(6.0).reshape(3, 2)
         torch.testing.assert_close(rows, full[:2] if rank == 0 else full[2:])
         torch.testing.assert_close(unsynced, torch.full((2,), float(rank)))  # the promise broken: not repaired
-        torch.testing.assert_close(compiled, full * 2)
+        torch.testing.assert_close(compiled, [full * 2, full * -2])
         torch.testing.assert_close(grad, torch.tensor([[1.0, -2.0]] * 3))  # one process's gradient
         assert "sync_data=False applies to a local tensor" in refused
 
