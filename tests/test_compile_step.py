@@ -798,6 +798,8 @@ def _all_computed(h):
 def _every_read():
     computed = _routed_training(_all_computed, 4)  # (one program: a wrong route gives a wrong loss)
     refused = {name: _routed_training(route, 2) for name, (route, _, _) in REFUSED.items()}
+    # a forward that raised while traced skips the hook that leaves its module's global mode: none may stay behind
+    assert torch._C._len_torch_function_stack() == 0, torch.overrides._get_current_function_mode_stack()
     return computed, refused
 
 

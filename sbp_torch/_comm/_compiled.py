@@ -332,11 +332,17 @@ def tracing_program():
     of agreed metadata ends with it; the list it yields then holds what was agreed (the program depends on it)."""
     previous = torch.compiler._is_compiling_flag
     torch.compiler._is_compiling_flag = True
+    depth = torch._C._len_torch_function_stack()
     agreed = []
     try:
         yield agreed
     finally:
         torch.compiler._is_compiling_flag = previous
+        # A laid-out module whose forward raised while traced left its global mode entered (torch skips the
+        # always-called forward hooks while compiling), and the tracer's own mode then popped it in its place:
+        # modes left above the entry's are this trace's, and go with it.
+        while torch._C._len_torch_function_stack() > depth:
+            torch._C._pop_torch_function_stack()
         compilation, _compilation[0] = _compilation[0], None
         if compilation is not None:
             compilation.restore()
