@@ -28,7 +28,8 @@ LATE_IMPORTS = {
     "sbp_torch/kernels/_extension.py": {"torch", "torch.utils.cpp_extension"},  # setup.py reads it without torch
     "sbp_torch/pipeline/_timeline.py": {"matplotlib", "matplotlib.pyplot"},  # an optional dependency
     "sbp_torch/_api/_gradient_reducer.py": {"torch._inductor.config"},  # slow; needed once a model is laid out
-    "sbp_torch/_api/_compile_step.py": {"torch._dynamo", "torch._inductor.config"},  # slow; once a step compiles
+    # slow; once a step compiles
+    "sbp_torch/_api/_compile_step.py": {"torch._dynamo", "torch._inductor.config", "torch._inductor.decomposition"},
     # slow (Dynamo, Inductor); needed once a program compiles
     "sbp_torch/_comm/_compiled.py": {
         "torch._dynamo.callback",

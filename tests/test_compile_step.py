@@ -144,6 +144,55 @@ def test_inductor_program_matches_one_process():
     assert run_on_world(2, _mlp_training, plan, 6, 10, 5, "inductor", _adamw, _timeout=300) == [1, 1]
 
 
+class CachedAttention(nn.Module):
+    """Keys as a ``transformers`` attention builds them: heads split from a projection (a transposed view), joined
+    to an empty cache by ``cat``, then multiplied transposed. torch's ``cat`` gives a contiguous tensor; Inductor's
+    decomposition of it keeps the non-contiguous keys' strides, so a trace made without Inductor's decompositions
+    recorded a ``view`` that Inductor then refused."""
+
+    def __init__(self, width=8, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.key = nn.Linear(width, width)
+
+    def forward(self, x):
+        rows, seq, width = x.shape
+        k = self.key(x).view(rows, seq, self.heads, width // self.heads).transpose(1, 2)
+        k = torch.cat([k.new_zeros(rows, self.heads, 0, width // self.heads), k * 2], dim=-2)
+        q = x.view(rows, seq, self.heads, width // self.heads).transpose(1, 2)
+        return (q @ k.transpose(-2, -1)).softmax(-1).pow(2).mean()
+
+
+def _cached_attention():
+    torch.manual_seed(0)
+    reference = CachedAttention()
+    model = copy.deepcopy(reference).to_global(st.placement("cpu", [0, 1]), B)
+    placement = model.key.weight.placement
+    ref_opt, optimizer = _adamw(reference), _adamw(model)
+
+    @st.compile_step(model=model, optimizer=optimizer, backend="inductor")
+    def step(x):
+        loss = model(x.to_global(placement, (B,), check_meta=False).to_global(sbp=(S(0),)))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(4, 5, 8, generator=gen)
+        want = reference(x)
+        ref_opt.zero_grad()
+        want.backward()
+        ref_opt.step()
+        torch.testing.assert_close(step(x).full_tensor().item(), want.item(), rtol=1e-5, atol=1e-6)
+    return step.traces
+
+
+def test_inductor_traces_with_its_own_decompositions():
+    assert run_on_world(2, _cached_attention, _timeout=300) == [1, 1]
+
+
 def _gpt_training(mode):
     gpt = _gpt_module()
     torch.manual_seed(0)

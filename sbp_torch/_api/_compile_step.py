@@ -402,7 +402,7 @@ class CompiledStep:
         try:
             _refuse_before_tracing(self.traces, arg_leaves)
             with _restored(self, holders, values), comm.tracing_program() as agreed, device_draws_refused():
-                gm = make_fx(program, tracing_mode="fake")(*examples)
+                gm = make_fx(program, tracing_mode="fake", decomposition_table=_decompositions(self.backend))(*examples)
             if self.cuda_graphs:  # (before the backend's compilation, the long part)
                 _refuse(step_graph.refusal_of_program(comm.holds_collectives(gm)))
                 _refuse(step_graph.refusal_of_inputs(examples, [_part(a) for a in arg_leaves]))
@@ -684,6 +684,18 @@ def _compiled(backend, gm):
     fakes = [node.meta["val"] for node in gm.graph.find_nodes(op="placeholder")]
     with tracing(TracingContext(detect_fake_mode(fakes))):
         return _backend(backend)(gm, fakes)
+
+
+def _decompositions(backend) -> dict:
+    """The decompositions the backend applies to a program, applied while it is traced: a view the trace records
+    must be legal on the strides the backend's own decompositions give (Inductor's ``cat`` of an empty and a
+    non-contiguous tensor keeps the latter's strides where torch's kernel makes it contiguous), as Dynamo traces a
+    program for Inductor with Inductor's decompositions."""
+    if backend != "inductor":
+        return {}
+    from torch._inductor.decomposition import select_decomp_table
+
+    return select_decomp_table()
 
 
 def _backend(backend):
