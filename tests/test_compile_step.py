@@ -167,17 +167,8 @@ def _cached_attention():
     torch.manual_seed(0)
     reference = CachedAttention()
     model = copy.deepcopy(reference).to_global(st.placement("cpu", [0, 1]), B)
-    placement = model.key.weight.placement
     ref_opt, optimizer = _adamw(reference), _adamw(model)
-
-    @st.compile_step(model=model, optimizer=optimizer, backend="inductor")
-    def step(x):
-        loss = model(x.to_global(placement, (B,), check_meta=False).to_global(sbp=(S(0),)))
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        return loss
-
+    step = _global_step(model, optimizer, model.key.weight.placement, S(0), "inductor")
     gen = torch.Generator().manual_seed(1)
     for _ in range(3):
         x = torch.randn(4, 5, 8, generator=gen)
@@ -814,16 +805,7 @@ def _routed_training(route, calls: int):
     reference = Routed(route)
     model = copy.deepcopy(reference).to_global(st.placement("cpu", [0, 1]), B)
     ref_opt, optimizer = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, model))
-    placement = model.lin.weight.placement
-
-    @st.compile_step(model=model, optimizer=optimizer, backend=None)
-    def step(x):
-        loss = model(x.to_global(placement, (B,), check_meta=False).to_global(sbp=(S(0),)))
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        return loss
-
+    step = _global_step(model, optimizer, model.lin.weight.placement, S(0), None)
     errors = []
     for x in _batches(calls, 7, 4, seed=3):
         want = reference(x)
