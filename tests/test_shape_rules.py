@@ -144,7 +144,6 @@ TABLE_CASES = [
     (aten.cat.default, lambda s, d: ([torch.randn(s, dtype=d), torch.randn(s, dtype=d)], -1)),
     (aten.cat.default, lambda s, d: ([torch.randn(s, dtype=d), torch.randn(s[:-1] + (1,), dtype=d)], -1)),
     (aten.cat.default, lambda s, d: ([torch.randn(s, dtype=d), torch.randn((2,) + s, dtype=d)], 0)),
-    (aten.transpose.int, lambda s, d: (torch.randn(s, dtype=d), 0, -1)),
     (aten.mm.default, lambda s, d: (torch.randn(s[:2], dtype=d), torch.randn(s[-1:] + (3,), dtype=d))),
     (
         aten.addmm.default,
@@ -158,12 +157,6 @@ TABLE_CASES = [
         aten.addmm.default,
         lambda s, d: (torch.randn(s, dtype=d), torch.randn((2, 3), dtype=d), torch.randn((3, 4), dtype=d)),
     ),
-    (aten.t.default, lambda s, d: (torch.randn(s, dtype=d),)),
-    (aten.view.default, lambda s, d: (torch.randn(s, dtype=d), [-1])),
-    (aten.view.default, lambda s, d: (torch.randn(s, dtype=d), [s[0], -1])),
-    (aten.view.default, lambda s, d: (torch.randn(s, dtype=d), [2, -1])),
-    (aten.view.default, lambda s, d: (torch.randn(s, dtype=d), list(reversed(s)))),
-    (aten.view.default, lambda s, d: (torch.randn(s, dtype=d), [-1, -1])),
 ]
 
 

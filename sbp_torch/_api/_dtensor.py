@@ -175,7 +175,7 @@ def _meta_of(d: DTensor, what: str) -> GlobalMeta:
             f"{what}: the DTensor placement {unfit!r} has no SBP that lays the data out the same way (sbp_torch "
             f"maps Shard(d), Replicate() and Partial of {', '.join(REDUCE_OPS)}); redistribute the DTensor first"
         )
-    return GlobalMeta(tuple(d.shape), d.dtype, p, normalize_sbp(sbp, p, d.dim(), d.dtype))
+    return GlobalMeta(tuple(d.shape), d.dtype, p, normalize_sbp(sbp, p, d.dim(), d.dtype), tuple(d.stride()))
 
 
 def _dtensor(local: torch.Tensor, meta: GlobalMeta, mesh: DeviceMesh) -> DTensor:

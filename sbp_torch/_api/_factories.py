@@ -5,7 +5,7 @@ import torch
 from .. import _comm as comm
 from .._boxing import box_local
 from .._layout import GlobalMeta, Placement, narrow_to, normalize_sbp, partials_as_broadcast, random_region
-from .._tensor import GlobalTensor, gradient, gradient_in_layout
+from .._tensor import GlobalTensor, gradient
 
 
 def _size(size) -> tuple[int, ...]:
@@ -40,9 +40,8 @@ def _build(meta: GlobalMeta, region, requires_grad: bool) -> GlobalTensor:
     out = GlobalTensor(local, meta, requires_grad=requires_grad)
     if requires_grad:
         # Ops without an SBP rule hand back broadcast gradients: lay each gradient out as gradient_sbp(sbp)
-        # (split stays split) before it is accumulated into the leaf's .grad, in the strides of the leaf's part
-        # (the gradient of a sum is an expand: a part of stride 0 could take no later accumulation).
-        out.register_hook(lambda grad: gradient_in_layout(gradient(grad, meta, local), local))
+        # (split stays split) before it is accumulated into the leaf's .grad
+        out.register_hook(lambda grad: gradient(grad, meta, local))
     return out
 
 

@@ -10,7 +10,7 @@ from torch import nn
 
 from .. import _comm as comm
 from .._boxing import axis_view, box_local, plan_boxing
-from .._tensor import GlobalTensor, gradient_sbp, in_layout_of, mark_reduced_at_use
+from .._tensor import GlobalTensor, gradient_sbp, mark_reduced_at_use
 
 
 @dataclasses.dataclass
@@ -55,7 +55,6 @@ class GradientReducer:
         if grad._meta.sbp == target:
             if grad._meta is not param._meta and grad._meta == param._meta:
                 grad._meta = param._meta  # (the same metadata, as one object: see ``_reduced_meta``)
-            grad._local = in_layout_of(grad._local, param._local)
             return
         shape = grad._meta.placement.shape
         # (a step along an axis of one rank leaves the part as it is: on one rank, data parallelism moves nothing)
@@ -63,7 +62,7 @@ class GradientReducer:
         scatter = len(steps) == 1 and steps[0].collective == "reduce-scatter"
         if not steps or (not scatter and not all(step.collective == "all-reduce" for step in steps)):
             local = box_local(grad._local, grad._meta, target) if steps else grad._local
-            param.grad = GlobalTensor(in_layout_of(local, param._local), _reduced_meta(param, grad._meta, target))
+            param.grad = GlobalTensor(local, _reduced_meta(param, grad._meta, target))
             return
         route = tuple((s.axis, s.src) for s in steps)
         # all-reduce buckets share a target layout; reduce-scatter buckets mix them (each part is cut alone)

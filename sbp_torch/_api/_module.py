@@ -62,7 +62,10 @@ def _globalize(name: str, tensor: torch.Tensor, placement: Placement, sbp, memo:
         value = nn.Parameter(value, requires_grad=tensor.requires_grad)
         if sbp != compute:
             dtype = sharding[1].param_dtype or value.dtype
-            sharding[2][id(value)] = (value, GlobalMeta(value._meta.shape, dtype, placement, compute))
+            sharding[2][id(value)] = (
+                value,
+                GlobalMeta(value._meta.shape, dtype, placement, compute, value._meta.strides),
+            )
     memo[id(tensor)] = value
     return value
 

@@ -343,7 +343,7 @@ class ShardedModel:
             if elsewhere and isinstance(on_axis, Partial) and on_axis.op == "sum":
                 bucket.append((p, local))
             else:
-                meta = GlobalMeta(grad._meta.shape, local.dtype, grad.placement, grad.sbp)
+                meta = GlobalMeta(grad._meta.shape, local.dtype, grad.placement, grad.sbp, grad._meta.strides)
                 _accumulate(p, box_local(local, meta, p.stored.sbp))
         unit.free()
         while self.reductions:  # one in flight while backward goes on: buffers do not pile up

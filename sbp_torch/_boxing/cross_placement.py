@@ -85,7 +85,7 @@ def cross_target(src: GlobalMeta, p: Placement, sbp) -> GlobalMeta:
         sbp = normalize_sbp(src.sbp if sbp is None else sbp, p, len(src.shape), src.dtype)
     except (TypeError, ValueError) as err:
         raise type(err)(f"to_global from {src.placement} to {p}: {err}") from err
-    return GlobalMeta(src.shape, src.dtype, p, sbp)
+    return GlobalMeta(src.shape, src.dtype, p, sbp, src.strides)
 
 
 def _reductions(meta: GlobalMeta) -> list[tuple[SbpType, ...]]:

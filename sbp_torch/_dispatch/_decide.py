@@ -229,7 +229,7 @@ def decide(bound: BoundCall) -> Decision:
             cost += _deferred_reduction(outputs, out_sbps, placement)
         changes = sum(t != g.sbp for g, t in zip(inputs, targets))
         if best is None or (cost, changes) < best[0]:
-            metas = tuple(GlobalMeta(o.shape, o.dtype, placement, s) for o, s in zip(outputs, out_sbps))
+            metas = tuple(GlobalMeta(o.shape, o.dtype, placement, s, o.strides) for o, s in zip(outputs, out_sbps))
             signatures = tuple(s.signature for s in combo)
             best = ((cost, changes), Decision(tuple(targets), metas, signatures, rule, cost))
     if best is None:

@@ -128,7 +128,7 @@ def _broadcast_plain_tensors(bound: BoundCall) -> tuple:
                 raise MixedTensorError(
                     f"{bound.func}: a plain tensor that requires grad cannot be broadcast implicitly"
                 )
-            meta = GlobalMeta(tuple(a.shape), a.dtype, placement, (broadcast,) * placement.ndim)
+            meta = GlobalMeta(tuple(a.shape), a.dtype, placement, (broadcast,) * placement.ndim, tuple(a.stride()))
             return GlobalTensor(a if member else a.new_empty(0), meta)
         return a
 

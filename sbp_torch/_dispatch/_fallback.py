@@ -11,7 +11,7 @@ from torch.utils._pytree import tree_map
 
 from .. import _comm as comm
 from .._boxing import box_local
-from .._layout import GlobalMeta, broadcast
+from .._layout import GlobalMeta, broadcast, refuse_value_dependent
 from .._tensor import GlobalTensor
 from ._bound import BoundCall
 from ._modes import STRICT
@@ -59,10 +59,10 @@ def run_fallback(bound: BoundCall, why: str):
         if not isinstance(a, GlobalTensor):
             return a
         if id(a) not in full_values:
-            if member:  # contiguous, as the global tensor's strides say: as_strided and friends read them
-                full_values[id(a)] = box_local(a._local, a._meta, replicated).contiguous()
+            if member:  # in the global tensor's strides: as_strided and friends read them, outputs follow them
+                full_values[id(a)] = laid_out(box_local(a._local, a._meta, replicated), a._meta.strides)
             else:
-                full_values[id(a)] = torch.empty(a.shape, dtype=a.dtype, device="meta")
+                full_values[id(a)] = torch.empty_strided(a.shape, a._meta.strides, dtype=a.dtype, device="meta")
         return full_values[id(a)]
 
     full_args, full_kwargs = tree_map(full, bound.args), tree_map(full, bound.kwargs)
@@ -89,7 +89,25 @@ def run_fallback(bound: BoundCall, why: str):
             return o
         if o.layout != torch.strided:  # a global tensor is dense: wrapping this would report a layout it lacks
             raise NotImplementedError(f"{bound.func} returns a {o.layout} tensor; global tensors are dense (strided)")
-        meta = GlobalMeta(tuple(o.shape), o.dtype, placement, replicated)
+        refuse_value_dependent(o.shape, f"the output of {bound.func} on global tensors")
+        meta = GlobalMeta(tuple(o.shape), o.dtype, placement, replicated, tuple(o.stride()))
         return GlobalTensor(o if member else o.new_empty(0, device=device), meta)
 
     return tree_map(wrap, out)
+
+
+def laid_out(value: torch.Tensor, strides: tuple[int, ...]) -> torch.Tensor:
+    """``value`` with the strides ``strides``: itself where it has them, else a copy in them. A dim of stride 0
+    (an ``expand``) repeats one slice, as the logical tensor does; where the strides overlap otherwise (a view
+    that reads elements twice, ``unfold``), no copy can have them, and ``value`` stays contiguous."""
+    if tuple(value.stride()) == tuple(strides) or value.numel() == 0:
+        return value
+    repeated = [d for d, (n, s) in enumerate(zip(value.shape, strides)) if s == 0 and n > 1]
+    one = value
+    for d in repeated:
+        one = one.narrow(d, 0, 1)
+    kept = [1 if d in repeated else s for d, s in enumerate(strides)]
+    out = torch.empty_strided(one.shape, kept, dtype=value.dtype, device=value.device)
+    if torch._debug_has_internal_overlap(out) == 1:  # (1: the elements overlap)
+        return value.contiguous()
+    return out.copy_(one).expand(value.shape) if repeated else out.copy_(one)

@@ -1,5 +1,8 @@
-"""Each output's shape and dtype, which a decision needs: by rule where one applies, else by tracing (running the op on
-meta tensors, which answers for any op); a rule that is not sure returns None.
+"""Each output's shape, dtype and strides, which a decision needs: by rule where one applies, else by tracing (running
+the op on meta tensors laid out in the inputs' logical strides, which answers for any op as plain torch would); a rule
+that is not sure returns None. Rules state shapes and dtypes only, so they answer where the output is contiguous: an
+op that is not a view, on contiguous inputs. Views and ops on inputs laid out otherwise are traced (a view on meta
+tensors costs microseconds; an element-wise op on non-contiguous inputs takes torch's layout rules from its trace).
 
 Tracing a pointwise op goes through torch's Python references: about 40% of a cache miss. Its output has the broadcast
 shape of its tensor arguments, and a dtype that depends only on their dtypes, on which of them are 0-dim (they promote
@@ -90,9 +93,25 @@ def pointwise_outputs(func, args, kwargs) -> list[TensorInfo] | None:
     return None if dtype is None else [TensorInfo(shape, dtype)]
 
 
+def _contiguous(value) -> bool:
+    if isinstance(value, GlobalTensor):
+        return value._meta.contiguous
+    if isinstance(value, torch.Tensor):
+        return value.is_contiguous()
+    if isinstance(value, (list, tuple)):
+        return all(map(_contiguous, value))
+    return True
+
+
 def ruled_outputs(bound: BoundCall, call: OpCall | None = None, rule: Rule | None = None) -> list[TensorInfo] | None:
-    """Each output's shape and dtype by the op's rule (``Rule.outputs``, shown ``call``) or, for a pointwise op, by
-    torch's promotion; None where tracing must decide."""
+    """Each output's shape and dtype (contiguous) by the op's rule (``Rule.outputs``, shown ``call``) or, for a
+    pointwise op, by torch's promotion; None where tracing must decide: a view, or inputs that are not contiguous."""
+    if (
+        getattr(bound.func, "is_view", False)
+        or not all(map(_contiguous, bound.args))
+        or not all(map(_contiguous, bound.kwargs.values()))
+    ):
+        return None
     if rule is not None and rule.outputs is not None:
         ruled = rule.outputs(call)
         if ruled is not None:
@@ -108,14 +127,15 @@ def _on_meta(value):
     if isinstance(value, torch.device):  # a cast's target device (the backward of ``.to(dtype)`` names it)
         return torch.device("meta")
     if isinstance(value, GlobalTensor):
-        return torch.empty(value.shape, dtype=value.dtype, device="meta")
+        return torch.empty_strided(value.shape, value._meta.strides, dtype=value.dtype, device="meta")
     if isinstance(value, torch.Tensor):
         return value.to("meta")
     return value
 
 
 def infer_outputs(bound: BoundCall, call: OpCall | None = None, rule: Rule | None = None) -> list[TensorInfo]:
-    """Each tensor output's shape and dtype, by rule or on meta tensors; ``UnknownOutputs`` where neither can tell."""
+    """Each tensor output's shape, dtype and strides, by rule or on meta tensors; ``UnknownOutputs`` where neither can
+    tell."""
     ruled = ruled_outputs(bound, call, rule)
     if ruled is not None:
         return ruled
@@ -124,7 +144,7 @@ def infer_outputs(bound: BoundCall, call: OpCall | None = None, rule: Rule | Non
     except Exception as err:  # noqa: BLE001 - no meta kernel, data-dependent shape, ...: the fallback runs it
         raise UnknownOutputs(f"cannot infer output shapes: {err}") from err
     leaves, _ = tree_flatten(out)
-    infos = [TensorInfo(tuple(o.shape), o.dtype) for o in leaves if isinstance(o, torch.Tensor)]
+    infos = [TensorInfo(tuple(o.shape), o.dtype, tuple(o.stride())) for o in leaves if isinstance(o, torch.Tensor)]
     if bound.func is _BATCH_NORM and not bound.by_name["training"] and bound.placement.type == "cpu":
         # torch's CPU kernel returns empty statistics in evaluation where its meta kernel says [C]
         infos[1:] = [TensorInfo((0,), i.dtype) for i in infos[1:]]

@@ -18,15 +18,12 @@ Where the C hit paths are built (``csrc/hit_paths.c``), an eager call past step 
 of steps 2, 3 and the compile check has anything to do (no plain tensor with dims, no write step 2 rewrites, no
 batched matmul or attention, no compilation); otherwise C does nothing and the steps run here in Python."""
 
-import weakref
-
 import torch
 from torch.compiler import is_dynamo_compiling
 
 from .._comm import compiling
 from .._dispatch import native_local_calls
 from .._layout import Broadcast
-from .._tensor import GlobalTensor, gradient_in_layout
 from ._assignment import DATA, FILL_DIAGONAL, SETITEM, assign, fill_diagonal, set_data, through_a_copy
 from ._batched_matmul import MATMUL_FUNCS, BatchedMatmul, applies
 from ._below_autograd import below_autograd, run_below_autograd, values_read, without_torch_function
@@ -52,12 +49,6 @@ def torch_function(cls, func, types, args=(), kwargs=None):
         return _assigned_eagerly(*args) if is_dynamo_compiling() else assign(*args)
     if func == _SET_DATA:  # (t.data = v)
         return set_data(*args)
-    if func is CONTIGUOUS and isinstance(args[0], GlobalTensor):
-        return _contiguous(*args, **(kwargs or {}))
-    if func is REQUIRES_GRAD_ and isinstance(args[0], GlobalTensor):
-        result = below_autograd(func, types, args, kwargs)
-        _keep_gradient_layout(result)
-        return result
     if func is FILL_DIAGONAL and not all(isinstance(s, Broadcast) for s in args[0]._meta.sbp):
         return fill_diagonal(*args, **(kwargs or {}))
     if func in MATMUL_FUNCS and applies(func, args, kwargs or {}):
@@ -72,42 +63,6 @@ def torch_function(cls, func, types, args=(), kwargs=None):
 
 
 _SET_DATA = DATA.__set__  # (a method-wrapper: made anew at each access, equal to this one)
-CONTIGUOUS = torch._C.TensorBase.contiguous
-REQUIRES_GRAD_ = torch._C.TensorBase.requires_grad_
-
-
-class _LeafLayout:
-    """A leaf's gradient hook: the gradient in the strides of the leaf's part (``gradient_in_layout``), as
-    ``AccumulateGrad`` lays out a plain leaf's, so that the expand a sum's gradient is can take later
-    accumulation and in-place scaling. Holds the leaf weakly (the leaf holds its hooks)."""
-
-    def __init__(self, leaf: GlobalTensor):
-        self.leaf = weakref.ref(leaf)
-
-    def __call__(self, grad):
-        leaf = self.leaf()
-        return grad if leaf is None else gradient_in_layout(grad, leaf._local)
-
-
-def _keep_gradient_layout(leaf: GlobalTensor) -> None:
-    """Give a global leaf that now requires grad a ``_LeafLayout`` hook, once (not while compiling: the compiled
-    program's backward gives its gradients whole)."""
-    if torch.compiler.is_compiling() or not (leaf.requires_grad and leaf.is_leaf):
-        return
-    hooks = leaf._backward_hooks or {}
-    if not any(isinstance(hook, _LeafLayout) for hook in hooks.values()):
-        leaf.register_hook(_LeafLayout(leaf))
-
-
-def _contiguous(x, memory_format=torch.contiguous_format):
-    """``x.contiguous()``: ``x`` where its part is laid out so, else a copy, as one process copies a tensor whose
-    strides are not. (A global tensor reports the strides of a contiguous tensor even over a transposed part, so
-    torch would return ``x`` itself, and writes into the "copy" would reach the tensor ``x`` is a view of.)"""
-    if x._local.is_contiguous(memory_format=memory_format):
-        return x
-    return x.clone(memory_format=memory_format)
-
-
 _EAGERLY = "an assignment through an index that cuts a dim its tensor splits is written eagerly"
 
 
@@ -145,9 +100,7 @@ _NATIVE_LOCAL, _EAGER = (
         autocast=torch._C._is_any_autocast_enabled,
         grad_enabled=torch.is_grad_enabled,
         not_handled=NOT_HANDLED,
-        special=frozenset(MATMUL_FUNCS)
-        | frozenset(SDPA_FUNCS)
-        | {SETITEM, _SET_DATA, FILL_DIAGONAL, CONTIGUOUS, REQUIRES_GRAD_},
+        special=frozenset(MATMUL_FUNCS) | frozenset(SDPA_FUNCS) | {SETITEM, _SET_DATA, FILL_DIAGONAL},
         compile_tls=_COMPILE_TLS,
     )
     if ENABLED and _COMPILE_TLS is not None

@@ -6,6 +6,7 @@ from ._meta import (
     balanced_part,
     balanced_sizes,
     contiguous_strides,
+    dense_strides,
     narrow_to,
     normalize_sbp,
     partials_as_broadcast,

@@ -47,13 +47,33 @@ def refuse_value_dependent(shape, what: str) -> None:
 
 
 @functools.lru_cache(maxsize=4096)
-def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The strides of a contiguous tensor of ``shape`` (what a global tensor reports)."""
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     strides, step = [], 1
     for n in reversed(shape):
         strides.append(step)
         step *= max(n, 1)
     return tuple(reversed(strides))
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides torch gives a contiguous tensor of ``shape``."""
+    try:
+        return _contiguous_strides(shape)
+    except TypeError:  # (symbolic sizes, which are no cache key)
+        refuse_value_dependent(shape, "a global tensor")
+        return _contiguous_strides.__wrapped__(shape)
+
+
+def dense_strides(shape: tuple[int, ...], like: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a dense tensor of ``shape`` whose dims lie in memory in the order of the strides ``like``
+    (those of a tensor of as many dims): outermost the dim of the largest stride, ties in dim order, as
+    ``torch.empty_like`` orders a tensor it preserves. Contiguous where ``like`` is."""
+    order = sorted(range(len(shape)), key=lambda d: -like[d])
+    strides, step = [0] * len(shape), 1
+    for d in reversed(order):
+        strides[d] = step
+        step *= max(shape[d], 1)
+    return tuple(strides)
 
 
 def narrow_to(x: torch.Tensor, starts, lengths, origin=None) -> torch.Tensor:
@@ -71,18 +91,26 @@ def partials_as_broadcast(sbp: tuple[SbpType, ...]) -> tuple[SbpType, ...]:
 
 @dataclass(frozen=True)
 class GlobalMeta:
-    """What every rank knows about a global tensor: logical shape, dtype, placement and one SBP per axis."""
+    """What every rank knows about a global tensor: logical shape, dtype, placement, one SBP per axis, and the
+    logical strides: those plain torch gives the logical tensor after the same calls (contiguous when not given).
+    The local part may be laid out otherwise; the strides are what the tensor reports, and what code reading them
+    (``reshape`` choosing a view or a copy, ``contiguous()``, autograd's layout of a gradient) decides by."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     placement: Placement
     sbp: tuple[SbpType, ...]
+    strides: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        if self.strides is None:
+            object.__setattr__(self, "strides", contiguous_strides(self.shape))
 
     @functools.cached_property
     def _hash(self) -> int:
         # Metadata is hashed on every dispatch (decision cache keys): compute the hash once, when first asked
         # (not on construction, which torch.compile traces where it cannot always hash a placement).
-        return hash((self.shape, self.dtype, self.placement, self.sbp))
+        return hash((self.shape, self.dtype, self.placement, self.sbp, self.strides))
 
     def __hash__(self) -> int:
         return self._hash
@@ -96,12 +124,15 @@ class GlobalMeta:
         return self.numel * self.dtype.itemsize
 
     @functools.cached_property
-    def strides(self) -> tuple[int, ...]:
-        """The logical (contiguous) strides (computed once: every wrapped output reads them)."""
-        return contiguous_strides(self.shape)
+    def contiguous(self) -> bool:
+        """Whether the logical strides are those of a contiguous tensor (sizes of 1 may have any stride)."""
+        if self.numel == 0:
+            return True
+        return all(n == 1 or s == c for n, s, c in zip(self.shape, self.strides, contiguous_strides(self.shape)))
 
     def with_sbp(self, sbp: tuple[SbpType, ...]) -> GlobalMeta:
-        return GlobalMeta(self.shape, self.dtype, self.placement, sbp)
+        """The same logical tensor laid out as ``sbp``."""
+        return GlobalMeta(self.shape, self.dtype, self.placement, sbp, self.strides)
 
     def region(self, coord: tuple[int, ...], axes: int | None = None) -> tuple[list[int], list[int]]:
         """(starts, lengths) of the region held at ``coord``, applying the first ``axes`` axes (default all)."""
@@ -118,7 +149,8 @@ class GlobalMeta:
 
     def __repr__(self) -> str:
         sbp = ", ".join(map(repr, self.sbp))
-        return f"shape={tuple(self.shape)}, dtype={self.dtype}, placement={self.placement}, sbp=({sbp})"
+        strides = "" if self.contiguous else f", strides={tuple(self.strides)}"
+        return f"shape={tuple(self.shape)}, dtype={self.dtype}, placement={self.placement}, sbp=({sbp}){strides}"
 
 
 def normalize_sbp(sbp, p: Placement, ndim: int, dtype: torch.dtype) -> tuple[SbpType, ...]:

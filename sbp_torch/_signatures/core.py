@@ -41,7 +41,7 @@ from .._layout import (
     random_region,
 )
 from .._layout import Partial as Partial  # re-exported for the family files
-from .._layout import contiguous_strides as contiguous_strides  # re-exported for the family files
+from .._layout import dense_strides as dense_strides  # re-exported for the family files
 
 B, P, P_MAX, P_MIN, S = broadcast, partial_sum, partial_max, partial_min, Split
 PARTIALS = (P, P_MAX, P_MIN)
@@ -49,10 +49,12 @@ PARTIALS = (P, P_MAX, P_MIN)
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """What a rule may know about a tensor argument or output: its logical shape and dtype."""
+    """What a rule may know about a tensor argument or output: its logical shape and dtype; an output's logical
+    strides too, where they are not contiguous (None: contiguous)."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
+    strides: tuple[int, ...] | None = None
 
     @property
     def ndim(self) -> int:

@@ -10,7 +10,7 @@ The input's values are never read, so any layout of it is accepted as it is (no 
   ``new_empty_strided`` then ``copy_`` of a split gradient stays local); else split where the input is split
   along a dim that keeps its index and size (a buffer of the same rows that the rows' parts are then copied
   into, as DeepSeek's attention builds its keys), broadcast otherwise. The split variants run through a local
-  function that passes the local size (and contiguous local strides).
+  function that passes the local size (and strides dense in the order of the asked ones).
 
 Factories without a tensor argument (``zeros``, ``empty_strided``, ``scalar_tensor``, ...) never reach a
 global tensor's dispatch: ``sbp_torch.zeros`` and friends create global tensors.
@@ -18,7 +18,7 @@ global tensor's dispatch: ``sbp_torch.zeros`` and friends create global tensors.
 
 import torch
 
-from .core import PARTIALS, B, LocalContext, OpCall, S, Signature, contiguous_strides, like_input, register, sig
+from .core import PARTIALS, B, LocalContext, OpCall, S, Signature, dense_strides, like_input, register, sig
 
 aten = torch.ops.aten
 
@@ -40,7 +40,14 @@ def like(call: OpCall) -> list[Signature]:
 def _local_size(func, ctx: LocalContext):
     shape = ctx.local_output_shape()
     if func == aten.new_empty_strided.default:
-        return ctx.call(func, size=shape, stride=contiguous_strides(shape))
+        # the part laid out in the order of the asked (logical) strides: autograd asks a gradient for its
+        # parameter's, and a part in that order is what the optimizer's foreach kernels group with the parameter's
+        logical = ctx.outputs[0]
+        return ctx.call(
+            func,
+            size=shape,
+            stride=logical.strides if shape == logical.shape else dense_strides(shape, logical.strides),
+        )
     return ctx.call(func, size=shape)
 
 

@@ -23,8 +23,6 @@ local functions that hand the local op the local sizes; ``view`` reshapes, becau
 transposed tensor need not be viewable even where the logical tensor (always contiguous to torch) is.
 """
 
-import math
-
 import torch
 
 from .core import (
@@ -253,58 +251,17 @@ def _one_input(call: OpCall, kept: dict[int, int], local_fn: str | None) -> list
     return splits + pass_through([name], local_fn)
 
 
-def _view_outputs(call: OpCall) -> list[TensorInfo] | None:
-    x, size = call["self"], list(call["size"])
-    if any(n < -1 for n in size):
-        return None
-    numel, known = math.prod(x.shape), math.prod(n for n in size if n != -1)
-    if size.count(-1) > 1 or (size.count(-1) == 1 and (known == 0 or numel % known)):
-        return None
-    if -1 in size:
-        size[size.index(-1)] = numel // known
-    elif known != numel:
-        return None
-    return [TensorInfo(tuple(size), x.dtype)]
-
-
-def _t_outputs(call: OpCall) -> list[TensorInfo] | None:
-    x = call["self"]
-    return None if x.ndim > 2 else [TensorInfo(tuple(reversed(x.shape)), x.dtype)]
-
-
-def _transpose_outputs(call: OpCall) -> list[TensorInfo] | None:
-    x = call["self"]
-    if not x.ndim:
-        return None
-    try:
-        i, j = normalize_dim(call["dim0"], x.ndim), normalize_dim(call["dim1"], x.ndim)
-    except IndexError:
-        return None  # the op raises
-    shape = list(x.shape)
-    shape[i], shape[j] = shape[j], shape[i]
-    return [TensorInfo(tuple(shape), x.dtype)]
-
-
-OUTPUT_RULES = {aten.t.default: _t_outputs, aten.transpose.int: _transpose_outputs, aten.view.default: _view_outputs}
-
-
-def _outputs(call: OpCall) -> list[TensorInfo] | None:
-    """The shapes of t, transpose and view, which every model calls, without running them on meta tensors."""
-    rule = OUTPUT_RULES.get(call.func)
-    return None if rule is None else rule(call)
-
-
 # Every argument the kept-dims functions above read.
 VIEW_ARGUMENTS = ("dim", "dim0", "dim1", "dims", "step", "repeats", "input_sizes", "dimension")
 
 
-@register(*SINGLE_INPUT_VIEWS, reads=VIEW_ARGUMENTS, local_fns=LOCAL_FNS, outputs=floats_only(_outputs))
+@register(*SINGLE_INPUT_VIEWS, reads=VIEW_ARGUMENTS, local_fns=LOCAL_FNS)
 def single_input_view(call: OpCall) -> list[Signature]:
     kept, local_fn = SINGLE_INPUT_VIEWS[call.func]
     return _one_input(call, kept(call), local_fn)
 
 
-@register(*VIEWS, reads=("size",), check_nd=_exact_view_splits, local_fns=LOCAL_FNS, outputs=floats_only(_outputs))
+@register(*VIEWS, reads=("size",), check_nd=_exact_view_splits, local_fns=LOCAL_FNS)
 def view(call: OpCall) -> list[Signature]:
     src, dst = call["self"].shape, call.outputs[0].shape
     kept = {} if 0 in src else {ins[0]: outs[0] for ins, outs in view_blocks(src, dst)}

@@ -7,11 +7,10 @@ from ._global_tensor import (
     from_whole,
     full_tensor,
     gradient,
-    gradient_in_layout,
     mark_reduced_at_use,
     plain_tangent_as_global,
     reduced_at_use,
     to_local,
     wrap_fresh,
 )
-from ._gradient import gradient_part, gradient_sbp, has_extreme, in_layout_of
+from ._gradient import gradient_part, gradient_sbp, has_extreme

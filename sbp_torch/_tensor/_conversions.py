@@ -35,7 +35,13 @@ class _CrossBox(torch.autograd.Function):
     def backward(ctx, grad):
         if not isinstance(grad, GlobalTensor):
             raise TypeError(f"expected a global gradient for a global tensor, got a plain {type(grad).__name__}")
-        back = GlobalMeta(grad._meta.shape, grad._meta.dtype, ctx.meta.placement, partials_as_broadcast(ctx.meta.sbp))
+        back = GlobalMeta(
+            grad._meta.shape,
+            grad._meta.dtype,
+            ctx.meta.placement,
+            partials_as_broadcast(ctx.meta.sbp),
+            grad._meta.strides,
+        )
         moved = GlobalTensor(run_cross(grad._local, plan_cross(grad._meta, back)), back)
         return gradient(moved, ctx.meta, ctx.saved_local), None
 

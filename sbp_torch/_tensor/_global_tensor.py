@@ -17,8 +17,8 @@ except ImportError:
 
 from .._boxing import box_local
 from .._comm import note_placement
-from .._layout import GlobalMeta, broadcast, contiguous_strides, normalize_sbp, refuse_value_dependent
-from ._gradient import gradient_part, gradient_sbp, has_extreme, in_layout_of
+from .._layout import GlobalMeta, broadcast, normalize_sbp
+from ._gradient import gradient_part, gradient_sbp, has_extreme
 
 _new_wrapper = torch.Tensor._make_wrapper_subclass
 
@@ -45,14 +45,9 @@ class GlobalTensor(torch.Tensor):
             local = local.resolve_conj()
         if local.is_neg():
             local = local.resolve_neg()
-        try:
-            strides = contiguous_strides(meta.shape)
-        except TypeError:  # (a symbol is no cache key)
-            refuse_value_dependent(meta.shape, f"a global tensor laid out as {meta.sbp}")
-            raise
         # (positional: torch parses keywords of _make_wrapper_subclass more slowly, on every op's output)
         out = _new_wrapper(
-            cls, meta.shape, strides, None, None, meta.dtype, torch.strided, local.device, False, requires_grad
+            cls, meta.shape, meta.strides, None, None, meta.dtype, torch.strided, local.device, False, requires_grad
         )
         out._local = local
         out._meta = meta
@@ -235,16 +230,6 @@ def gradient(grad: GlobalTensor, meta: GlobalMeta, saved_local: torch.Tensor | N
         raise TypeError(f"expected a global gradient for a global tensor, got a plain {type(grad).__name__}")
     local = gradient_part(grad._local, grad._meta, meta, saved_local)
     return GlobalTensor(local, grad._meta.with_sbp(gradient_sbp(meta.sbp)))
-
-
-def gradient_in_layout(grad, like: torch.Tensor):
-    """The global gradient ``grad`` with its part in the strides of ``like`` (its leaf's part; ``in_layout_of``),
-    as ``AccumulateGrad`` lays out a plain leaf's gradient; anything else as it is."""
-    if isinstance(grad, GlobalTensor):
-        part = in_layout_of(grad._local, like)
-        if part is not grad._local:
-            return GlobalTensor(part, grad._meta)
-    return grad
 
 
 class _ToLocal(torch.autograd.Function):

@@ -50,30 +50,3 @@ def gradient_part(grad: torch.Tensor, grad_meta: GlobalMeta, meta: GlobalMeta, s
         for axis in extreme:
             local = local * _extreme_share(meta, saved, axis, base, local.dtype)
     return local
-
-
-def in_layout_of(part: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``part``, or a copy of it with the strides of ``like`` (a parameter's or leaf's part) where they differ, or
-    of another shape a contiguous copy where ``part`` is not dense: as torch's AccumulateGrad gives a plain
-    gradient its leaf's strides. A wrapper's strides are its logical ones, so AccumulateGrad does not see a
-    transposed part (the gradient of a weight tied through ``t()``) or an expanded one (the gradient of a sum).
-    Left so, the first would make every foreach op of the optimizer take its per-tensor path on CUDA, and the
-    second could take no later accumulation or in-place scaling."""
-    if part.shape == like.shape and not _same_strides(part, like) and _dense(like):
-        return torch.empty_like(like, dtype=part.dtype).copy_(part)  # (empty_like keeps a dense tensor's strides)
-    return part if _dense(part) else part.contiguous()  # (laid out otherwise than the leaf: dense at least)
-
-
-def _dense(t: torch.Tensor) -> bool:
-    """Whether ``t``'s elements fill its memory without gaps or overlaps, in some order of its dims."""
-    expected = 1
-    for stride, size in sorted((s, n) for n, s in zip(t.shape, t.stride()) if n != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def _same_strides(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b`` (of one shape) lay out their elements alike (a dim of size 1 has any stride)."""
-    return all(n == 1 or x == y for n, x, y in zip(a.shape, a.stride(), b.stride()))
