@@ -12,6 +12,7 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <math.h>
 
 static PyObject *GlobalTensorType;  /* sbp_torch's GlobalTensor */
 static PyObject *TensorType;        /* torch.Tensor */
@@ -31,9 +32,25 @@ static PyObject *Facts;             /* id(func) -> (func, scalar positions, func
 
 static PyObject *s_local, *s_meta, *s_func, *s_simple, *s_op, *s_decision, *s_outputs, *s_local_shapes,
     *s_returns_written, *s_shape, *s_strides, *s_dtype, *s_device, *s_is_conj, *s_is_neg, *s_placement,
-    *s_local_inputs, *s_detach, *s_reshapes_part, *s_reshape, *s_runs_as_is;
+    *s_local_inputs, *s_detach, *s_reshapes_part, *s_reshape, *s_runs_as_is, *s_zero, *s_finite, *s_not_finite;
 
 static int configured = 0;
+
+/* The value of the ``NumberClass`` of a Python number (borrowed), as _signatures.number_class gives it; NULL on
+   error. */
+static PyObject *number_class(PyObject *value) {
+    if (PyFloat_Check(value)) {
+        double d = PyFloat_AS_DOUBLE(value);
+        return d == 0 ? s_zero : isfinite(d) ? s_finite : s_not_finite;
+    }
+    if (PyComplex_Check(value)) {
+        Py_complex c = PyComplex_AsCComplex(value);
+        if (c.real == 0 && c.imag == 0) return s_zero;
+        return isfinite(c.real) && isfinite(c.imag) ? s_finite : s_not_finite;
+    }
+    int truth = PyObject_IsTrue(value); /* an integer, a bool included */
+    return truth < 0 ? NULL : truth ? s_finite : s_zero;
+}
 
 /* The key of one argument, as _bound._key_of gives it; NULL without an error where only Python can key it (a plain
    tensor), NULL with an error on failure. */
@@ -74,8 +91,8 @@ static PyObject *key_of(PyObject *value, int is_scalar) {
     if (instance < 0) return NULL;
     if (instance) return NULL; /* keyed by Python */
     if (is_scalar && (PyLong_Check(value) || PyFloat_Check(value) || PyComplex_Check(value))) {
-        Py_INCREF(type);
-        return (PyObject *)type;
+        PyObject *class = number_class(value); /* borrowed */
+        return class == NULL ? NULL : PyTuple_Pack(2, (PyObject *)type, class);
     }
     /* (1, 1.0, True and 1+0j are equal keys: their results' dtypes differ) */
     if (PyFloat_Check(value) || PyBool_Check(value) || PyComplex_Check(value)) return PyTuple_Pack(2, type, value);
@@ -577,7 +594,8 @@ static int walk(PyObject *values, int by_type, int grad, PyObject *key, PyObject
             k = PyObject_GetAttr(v, s_meta);
             part = k ? PyObject_GetAttr(v, s_local) : NULL;
         } else if (t == &PyFloat_Type) {
-            k = by_type ? (Py_INCREF(t), (PyObject *)t) : PyTuple_Pack(2, (PyObject *)t, v);
+            PyObject *class = by_type ? number_class(v) : v; /* borrowed */
+            k = class ? PyTuple_Pack(2, (PyObject *)t, class) : NULL;
             part = (Py_INCREF(v), v);
         } else if (t == &PyLong_Type || t == &PyBool_Type) {
             k = PyTuple_Pack(2, (PyObject *)t, v);
@@ -1000,12 +1018,13 @@ PyMODINIT_FUNC PyInit__hit(void) {
                            "returns_written", "shape", "strides", "dtype", "device", "is_conj", "is_neg",
                            "placement", "local_inputs", "detach", "requires_grad", "dim", "returns", "argument",
                            "bumped", "tensor", "none", "data is not allocated", "compile_context", "compile_id",
-                           "reshapes_part", "reshape", "runs_as_is"};
+                           "reshapes_part", "reshape", "runs_as_is", "zero", "finite, nonzero", "inf or nan"};
     PyObject **strings[] = {&s_local, &s_meta, &s_func, &s_simple, &s_op, &s_decision, &s_outputs,
                             &s_local_shapes, &s_returns_written, &s_shape, &s_strides, &s_dtype, &s_device,
                             &s_is_conj, &s_is_neg, &s_placement, &s_local_inputs, &s_detach, &s_requires_grad,
                             &s_dim, &s_returns, &s_argument, &s_bumped, &s_tensor, &s_none, &s_not_allocated, &s_compile_context,
-                            &s_compile_id, &s_reshapes_part, &s_reshape, &s_runs_as_is};
+                            &s_compile_id, &s_reshapes_part, &s_reshape, &s_runs_as_is, &s_zero, &s_finite,
+                            &s_not_finite};
     for (size_t i = 0; i < sizeof(texts) / sizeof(texts[0]); i++) {
         *strings[i] = PyUnicode_InternFromString(texts[i]);
         if (*strings[i] == NULL) return NULL;

@@ -150,6 +150,40 @@ def sample_calls(per_op: int = 3, samples_per_opinfo: int = 3, names=None) -> li
     return calls
 
 
+# The numbers where scaling stops being linear: a rule that keeps a partial through a number must stop at them
+EXTREMES = (0.0, -0.0, math.inf, -math.inf, math.nan)
+
+
+def with_extreme_numbers(calls: list[SampleCall]) -> list[SampleCall]:
+    """Each call that passes a number (a Scalar argument, or a number in a tensor's place), again with one such number
+    replaced by each of ``EXTREMES`` (an integer by 0 alone), where the plain op still runs."""
+    out = []
+    for call in calls:
+        if call.shapes_only:
+            continue
+        arguments = call.func._schema.arguments
+        numeric = {a.name for a in arguments if str(a.type) in ("number", "Tensor", "Optional[Tensor]")}
+        slots = [(None, i) for i, a in enumerate(call.args) if i < len(arguments) and arguments[i].name in numeric]
+        slots += [(k, None) for k in call.kwargs if k in numeric]
+        for key, index in slots:
+            value = call.kwargs[key] if key is not None else call.args[index]
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            for extreme in EXTREMES if isinstance(value, float) else (0,):
+                args, kwargs = list(call.args), dict(call.kwargs)
+                if key is None:
+                    args[index] = extreme
+                else:
+                    kwargs[key] = extreme
+                variant = SampleCall(call.func, tuple(args), kwargs)
+                try:
+                    expected_outputs(variant)
+                except Exception:  # noqa: BLE001 - the plain op refuses the number: nothing to check
+                    continue
+                out.append(variant)
+    return out
+
+
 def _skipped(call: SampleCall) -> bool:
     """Calls the checker leaves out: random draws (checked in tests/test_random_ops.py), ``out=`` variants."""
     return torch.Tag.nondeterministic_seeded in call.func.tags or bool(op_schema(call.func).outs)
@@ -651,7 +685,7 @@ def attention_calls() -> list[SampleCall]:
 def other_calls() -> list[SampleCall]:
     """Calls that reach the dispatcher only through sbp_torch's own frontend: ``aten.matmul`` of same-batch tensors
     (``_frontend/_batched_matmul.py``), and foreach ops index by index (one-element lists,
-    ``_dispatch/_foreach.py``)."""
+    ``_dispatch/_foreach.py``); and calls with numbers where OpInfo's samples pass tensors."""
     x, y = torch.randn(3, 5, 4, dtype=torch.float64), torch.randn(3, 4, 7, dtype=torch.float64)
     a, b = torch.randn(5, 3, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
     return [
@@ -661,6 +695,12 @@ def other_calls() -> list[SampleCall]:
         SampleCall(aten._foreach_addcmul.Scalar, ([a], [b], [a]), {"value": 2.0}),
         SampleCall(aten._foreach_neg.default, ([a],), {}),
         SampleCall(aten._foreach_mul.Tensor, ([a], torch.tensor(3.0, dtype=torch.float64)), {}),
+        SampleCall(aten._foreach_div.Scalar, ([a], 4.0), {}),
+        SampleCall(aten._foreach_mul.ScalarList, ([a], [0.5]), {}),
+        # numbers in a tensor's place, as Python code reaches them (x * 2.0, x / 4.0, x + y * 3)
+        SampleCall(aten.mul.Tensor, (a, 2.0), {}),
+        SampleCall(aten.div.Tensor, (a, 4.0), {}),
+        SampleCall(aten.add.Tensor, (a, b), {"alpha": 3.0}),
     ]
 
 

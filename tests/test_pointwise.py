@@ -4,6 +4,8 @@ output's dims through broadcasting, every op keeps broadcast, and the partial ki
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -163,3 +165,36 @@ def test_a_partial_sum_is_reduced_before_a_narrowing_conversion():
                 torch.testing.assert_close(got, whole.double(), rtol=1e-6, atol=1e-4)
             else:
                 torch.testing.assert_close(got, want[name], rtol=0, atol=0, msg=name)
+
+
+_SCALED = torch.tensor([[1.5, -2.0, 0.0], [3.0, 0.25, -0.5]])
+# where scaling a partial sum stops being linear (0, -0.0, inf, -inf, nan), and where it holds, in two orders
+_NUMBERS = [2.0, 0.0, -0.0, math.inf, -math.inf, math.nan, 0.5]
+_NUMBERS += _NUMBERS[::-1]
+
+
+def _scalings(x) -> list:
+    """``x`` over, times and plus-alpha-times each number, and divided in place, every infinity and nan made finite to
+    compare: (what, result)."""
+    out = []
+    for n in _NUMBERS:
+        for what, f in (("/", lambda t: t / n), ("*", lambda t: t * n), (".mul", lambda t: t.mul(n))):
+            out.append((f"x {what} {n}", f(x)))
+        out.append((f"x + x * {n} (alpha)", torch.add(x, x, alpha=n)))
+        out.append((f"x.div_({n})", x.clone().div_(n)))
+    return [(what, torch.nan_to_num(t, nan=7.0, posinf=8.0, neginf=-8.0)) for what, t in out]
+
+
+def partial_scalings() -> list:
+    """``_scalings`` of a partial sum on 3 ranks (each op twice, in two orders: an earlier call's decision must not
+    answer a later one)."""
+    x = _SCALED.to_global(st.placement("cpu", [0, 1, 2]), B).to_global(sbp=P)
+    return [(what, t.full_tensor()) for what, t in _scalings(x)]
+
+
+@pytest.mark.gloo
+def test_a_partial_sum_is_reduced_before_a_number_that_breaks_linearity():
+    want = _scalings(_SCALED)
+    for rank in run_on_world(3, partial_scalings):
+        for (what, got), (_, expected) in zip(rank, want):
+            torch.testing.assert_close(got, expected, msg=what)

@@ -8,6 +8,7 @@ import itertools
 
 import torch
 
+from .._signatures import NumberClass, number_class
 from .._tensor import GlobalTensor
 from ._schema import OpSchema, op_schema
 
@@ -22,17 +23,21 @@ def _key_of(value, is_scalar: bool):
     if isinstance(value, torch.Tensor):
         return ("tensor", tuple(value.shape), value.dtype, value.device.type)
     if is_scalar and isinstance(value, (bool, int, float, complex)):
-        return type(value)
+        return _SCALAR_KEYS[type(value), number_class(value)]
     if isinstance(value, (float, bool, complex)):  # (1, 1.0, True and 1+0j: equal keys, results of other dtypes)
         return (type(value), value)
     return value
 
 
+# (type, class) of a Scalar-typed number, made once each: the key of every such argument
+_SCALAR_KEYS = {(t, c): (t, c.value) for t in (bool, int, float, complex) for c in NumberClass}
+
+
 def call_key(func, schema: OpSchema, args, kwargs) -> tuple:
     """The call's cache key: the op by id (an entry keeps the op to check it), global tensors by metadata, plain
-    tensors by shape, dtype and device, Scalar-typed numbers that the op's rule does not read by type (a changing
-    learning rate keys alike), other floats, bools and complex numbers by type and value, the rest by value. It may
-    be unhashable (a slice, say): lookups catch that."""
+    tensors by shape, dtype and device, Scalar-typed numbers that the op's rule does not read by type and
+    ``NumberClass`` (a changing learning rate keys alike), other floats, bools and complex numbers by type and value,
+    the rest by value. It may be unhashable (a slice, say): lookups catch that."""
     positions = schema.scalar_positions
     key = (id(func), *[_key_of(a, i in positions) for i, a in enumerate(args)])
     if kwargs:

@@ -19,9 +19,10 @@ becomes a local call only if all of these hold:
 
 A local call bumps the version of each global argument the learning call bumped, so autograd still refuses a backward
 through a tensor modified in place. Floats in the key count by value (a composite may branch on one: dropout with
-``p=0`` returns its input), except for ``FLOATS_BY_TYPE``, functions binding one aten op whose floats are Scalars (keyed
-by type on the aten path too), so a learning rate changing every step does not miss. Learnt calls live in
-``LOCAL_CALLS``, bounded like the call cache; ``SBP_TORCH_LOCAL_CALLS=0`` turns them off."""
+``p=0`` returns its input), except for ``FLOATS_BY_TYPE``, functions binding one element-wise aten op whose rule reads
+its numbers only by ``NumberClass``: there a float counts by its class (zero, finite, or inf and nan), so a learning
+rate changing every step does not miss, and a partial sum times 2 does not answer a partial sum times inf. Learnt calls
+live in ``LOCAL_CALLS``, bounded like the call cache; ``SBP_TORCH_LOCAL_CALLS=0`` turns them off."""
 
 import os
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from torch.utils._pytree import tree_flatten
 from .. import _comm as comm
 from .._dispatch import LruCache, at, find_tensors, recording
 from .._layout import GlobalMeta
+from .._signatures import NumberClass, number_class
 from .._tensor import GlobalTensor, wrap_fresh
 from ._below_autograd import below_autograd
 
@@ -96,6 +98,10 @@ _cached = LOCAL_CALLS.get  # (bound once: read on every call)
 DISPATCH_ONLY: set = set()  # (GlobalTensor.__torch_function__ reads it first)
 
 
+# (float, class) of a float of ``FLOATS_BY_TYPE``, made once each (the C walk makes equal tuples)
+_CLASS_KEYS = {c: (float, c.value) for c in NumberClass}
+
+
 def _walk(values, by_type: bool, grad: bool, key: list, local: list) -> bool:
     """Append each value's key to ``key`` and what the local call passes for it to ``local``; False when the
     call cannot be a local call (autograd records it, or a plain tensor with dims meets a global one)."""
@@ -107,7 +113,7 @@ def _walk(values, by_type: bool, grad: bool, key: list, local: list) -> bool:
             key.append(v._meta)
             local.append(v._local)
         elif t is float:
-            key.append(float if by_type else (float, v))
+            key.append(_CLASS_KEYS[number_class(v)] if by_type else (float, v))
             local.append(v)
         elif t is int or t is bool:
             key.append((t, v))

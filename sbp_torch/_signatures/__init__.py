@@ -21,11 +21,13 @@ from . import (  # noqa: F401  (registration by import)
 from .core import (
     RULES,
     LocalContext,
+    NumberClass,
     OpCall,
     Rule,
     Signature,
     TensorInfo,
     UndeclaredArgument,
+    number_class,
     register,
     rule_for,
     shown_arguments,

@@ -8,11 +8,12 @@ the placement axes, filtered by the rule's optional ``check_nd``.
 
 **The contract.** A rule declares, by name, the non-tensor arguments its decision reads (``reads``). The call cache keys
 a call by exactly what a rule may see: its tensors' metadata, every declared argument by value, and the Scalar-typed
-arguments it does not declare by type only (so that a changing learning rate does not miss the cache). The call a rule
-is shown (``OpCall``) hides every non-tensor argument it did not declare: reading one raises ``UndeclaredArgument``, so
-a decision cannot depend on what the key drops. A rule that returns None declines the call (the fallback runs it);
-otherwise the registry adds the all-broadcast signature to its list (every op computes on whole values), unless the rule
-lists one itself.
+arguments it does not declare by type and ``NumberClass`` only (zero, finite, or inf and nan: so that a changing
+learning rate does not miss the cache, while a partial scaled by 2 and one divided by 0 decide apart). The call a rule
+is shown (``OpCall``) shows those numbers as their classes and hides every other non-tensor argument it did not
+declare: reading one raises ``UndeclaredArgument``, so a decision cannot depend on what the key drops. A rule that
+returns None declines the call (the fallback runs it); otherwise the registry adds the all-broadcast signature to its
+list (every op computes on whole values), unless the rule lists one itself.
 
 Most signatures run the aten op itself on the local parts. A signature may instead name a *local function* of its
 rule, which computes the local outputs differently (cross entropy over a vocabulary split across ranks needs a max and
@@ -24,6 +25,9 @@ This module is the table's core: family files import only from here (and torch).
 context's collectives are given to it by the dispatcher.
 """
 
+import cmath
+import enum
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -111,6 +115,40 @@ def sig(outputs, /, local_fn: str | None = None, **inputs) -> Signature:
     """``Signature`` of tensor arguments by name: ``sig(S(0), self=S(0), mat2=B)`` is "rows of self, all of mat2
     give rows of the output"."""
     return Signature(tuple(inputs.items()), outputs, local_fn)
+
+
+class NumberClass(enum.Enum):
+    """What a rule may know of a Scalar-typed number it does not declare in ``reads``, and what the call key holds
+    of it beside its type: whether a partial tensor can be scaled by it part by part. A factor keeps a partial sum
+    exact only where it is finite, a divisor only where it is finite and nonzero (a part of 0 over 0 is nan, where
+    the sum's quotient is an infinity)."""
+
+    ZERO = "zero"
+    FINITE = "finite, nonzero"
+    NOT_FINITE = "inf or nan"
+
+
+_NUMBERS = (bool, int, float, complex)
+
+
+def number_class(value) -> NumberClass:
+    """The class of a Python number (a bool counts as an integer; a complex number is finite where both parts are)."""
+    if value == 0:
+        return NumberClass.ZERO
+    finite = cmath.isfinite(value) if isinstance(value, complex) else math.isfinite(value)
+    return NumberClass.FINITE if finite else NumberClass.NOT_FINITE
+
+
+def finite(value) -> bool:
+    """Whether a number, or a ``NumberClass``, is finite (scaling a partial sum by it keeps it exact)."""
+    value = value if isinstance(value, NumberClass) else number_class(value)
+    return value is not NumberClass.NOT_FINITE
+
+
+def finite_nonzero(value) -> bool:
+    """Whether a number, or a ``NumberClass``, is finite and nonzero (dividing a partial sum by it keeps it exact)."""
+    value = value if isinstance(value, NumberClass) else number_class(value)
+    return value is NumberClass.FINITE
 
 
 class UndeclaredArgument(KeyError):
@@ -323,26 +361,40 @@ def shown_arguments(func, by_name: dict, reads: frozenset, describe: Callable) -
     ``describe`` (a value -> its TensorInfo, or the value itself where it is not a tensor), the declared arguments as
     they are, every other one hidden."""
     shown = {}
-    for name, holds_tensors in _argument_kinds(func):
+    for name, holds_tensors, scalar in _argument_kinds(func):
         if name not in by_name:
             continue
         value = by_name[name]
         if holds_tensors:
             shown[name] = type(value)(map(describe, value)) if isinstance(value, (list, tuple)) else describe(value)
+        elif name in reads:
+            shown[name] = value
+        elif scalar and isinstance(value, _NUMBERS):
+            shown[name] = number_class(value)  # (what the key holds of it)
+        elif (
+            scalar
+            and isinstance(value, (list, tuple))
+            and all(isinstance(v, (bool, int, float, complex)) for v in value)
+        ):
+            shown[name] = tuple(map(number_class, value))
         else:
-            shown[name] = value if name in reads else _HIDDEN
+            shown[name] = _HIDDEN
     return shown
 
 
-# id(op) -> (op, ((name, whether its type holds tensors), ...)): read from the schema once per op (reading a
-# schema's types costs more than the rest of showing a call); the op is kept to check that its id was not reused
+# id(op) -> (op, ((name, whether its type holds tensors, whether it is Scalar-typed), ...)): read from the schema
+# once per op (reading a schema's types costs more than the rest of showing a call); the op is kept to check that
+# its id was not reused
 _KINDS: dict = {}
 
 
 def _argument_kinds(func) -> tuple:
     entry = _KINDS.get(id(func))
     if entry is None or entry[0] is not func:
-        entry = _KINDS[id(func)] = (func, tuple((a.name, "Tensor" in str(a.type)) for a in func._schema.arguments))
+        kinds = tuple(
+            (a.name, "Tensor" in str(a.type), str(a.type) in ("number", "List[number]")) for a in func._schema.arguments
+        )
+        entry = _KINDS[id(func)] = (func, kinds)
     return entry[1]
 
 

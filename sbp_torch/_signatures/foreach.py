@@ -3,12 +3,26 @@
 A foreach op applies one element-wise op to the tensors at each list index, and the tensors at different
 indices may have different layouts (a split weight, a broadcast bias). The dispatcher therefore decides a
 foreach call index by index; each single-index call is decided here like an element-wise op of equally shaped
-tensors, with the same partial kinds: sums of partial sums, scaling of a partial sum.
+tensors, with the same partial kinds: sums of partial sums (a finite ``alpha``), scaling of a partial sum (by
+finite numbers, or over finite nonzero ones).
 """
 
 import torch
 
-from .core import B, OpCall, P, Partial, S, Signature, TensorInfo, operand_sbp, register_family
+from .core import (
+    B,
+    NumberClass,
+    OpCall,
+    P,
+    Partial,
+    S,
+    Signature,
+    TensorInfo,
+    finite,
+    finite_nonzero,
+    operand_sbp,
+    register_family,
+)
 
 aten = torch.ops.aten
 
@@ -50,9 +64,14 @@ def foreach(call: OpCall) -> list[Signature]:
         Signature(tuple((n, operand_sbp(shape, t, d)) for n, t in tensors.items()), S(d)) for d in range(len(shape))
     ]
     kind = PARTIAL_KINDS.get(call.func)
-    if kind == "sum":
+    # the Scalar numbers (alpha, the factors or divisors at this index), by class: see pointwise.py's linearity
+    numbers = [c for v in call.arguments.values() for c in (v if isinstance(v, tuple) else (v,))]
+    numbers = [c for c in numbers if isinstance(c, NumberClass)]
+    divides = call.func._schema.name.startswith("aten::_foreach_div")
+    if kind == "sum" and all(map(finite, numbers)):
         signatures.append(Signature(tuple((n, P) for n in tensors), P))
-    elif kind == "scale":  # a partial sum times (or over) numbers or a broadcast tensor
+    elif kind == "scale" and all(map(finite_nonzero if divides else finite, numbers)):
+        # a partial sum times (or over) numbers or a broadcast tensor
         signatures.append(Signature(tuple((n, P if n == first else B) for n in tensors), P))
     elif kind == "copy":
         signatures += [Signature(((first, Partial(op)),), Partial(op)) for op in ("sum", "max", "min")]

@@ -14,7 +14,7 @@ For ``mm(a[m, k], b[k, n])`` the valid 1-D signatures are:
 
 import torch
 
-from .core import B, OpCall, P, S, Signature, TensorInfo, floats_only, operand_sbp, register, sig
+from .core import B, OpCall, P, Partial, S, Signature, TensorInfo, finite, floats_only, operand_sbp, register, sig
 
 aten = torch.ops.aten
 
@@ -71,12 +71,16 @@ def batched_matmul(call: OpCall) -> list[Signature]:
 
 
 def _with_bias(call: OpCall, batch_dims: int, a: str, b: str) -> list[Signature]:
-    """addmm(bias, a, b) = bias + a @ b: the bias takes the layout the product has, after broadcasting
-    (a partial product gets a partial bias, made locally: the bias on one rank, zeros elsewhere)."""
+    """addmm(bias, a, b) = beta * bias + alpha * a @ b: the bias takes the layout the product has, after broadcasting
+    (a partial product gets a partial bias, made locally: the bias on one rank, zeros elsewhere). Partial only where
+    ``alpha`` and ``beta`` are finite: a part of 0 times inf is nan (``pointwise.py``'s linearity)."""
     bias, out = call["self"], call.outputs[0]
+    linear = finite(call.get("alpha", 1)) and finite(call.get("beta", 1))
     signatures = []
     for product in _product_signatures(batch_dims, a, b):
         layout = product.outputs
+        if isinstance(layout, Partial) and not linear:
+            continue
         bias_sbp = operand_sbp(out.shape, bias, layout.dim) if isinstance(layout, S) else layout
         signatures.append(Signature((("self", bias_sbp),) + product.inputs, layout))
     return signatures

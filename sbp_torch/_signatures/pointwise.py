@@ -4,13 +4,36 @@
   has size 1 there (torch broadcasting);
 * ``B``: everything broadcast;
 * partial signatures only where the op commutes with the reduction (table ``PARTIAL_KINDS``):
-  sums pass through ``add``/``sub``/``neg``; scaling by a broadcast factor keeps any partial sum; copies keep
-  every partial; non-decreasing functions (``clamp``, ``relu``, ``exp``, ...) keep a partial max or min.
+  sums pass through ``add``/``sub``/``neg`` (with a finite ``alpha``); scaling by a broadcast factor keeps any
+  partial sum; copies keep every partial; non-decreasing functions (``clamp``, ``relu``, ``exp``, ...) keep a partial
+  max or min.
+
+Scaling is linear only by a finite factor and a finite, nonzero divisor: parts of 1 and 0 times inf give inf and
+nan, whose sum is nan where the sum's product is inf; over 0 they give inf and nan. A rule that keeps a partial
+through a number therefore reads it (its ``NumberClass``, which the call key holds) and keeps the partial only where
+the number allows. A broadcast tensor factor's values are not read (that would wait for them): it is taken to be
+finite, and a partial sum times a tensor holding an infinity, or over one holding 0, gives nan where one process
+gives an infinity.
 """
 
 import torch
 
-from .core import P_MAX, P_MIN, B, OpCall, P, Partial, S, Signature, TensorInfo, operand_sbp, register_family
+from .core import (
+    P_MAX,
+    P_MIN,
+    B,
+    NumberClass,
+    OpCall,
+    P,
+    Partial,
+    S,
+    Signature,
+    TensorInfo,
+    finite,
+    finite_nonzero,
+    operand_sbp,
+    register_family,
+)
 
 aten = torch.ops.aten
 
@@ -74,13 +97,16 @@ def _partial_signatures(call: OpCall, tensors: dict) -> list[Signature]:
     if kind is None or any(t.shape != out.shape for n, t in infos.items() if n in call.global_names):
         return []
     names = list(infos)
+    # the numbers a partial is scaled by (or that scale its addend): in tensor slots by value, Scalar ones by class
+    numbers = [v for n, v in tensors.items() if n not in infos]
+    numbers += [v for v in call.arguments.values() if isinstance(v, NumberClass)]
     if call.func is aten.copy_.default and not _keeps_sums(infos["src"].dtype, infos["self"].dtype):
         return []  # (a narrowing copy, converted part by part, is not the conversion of the sum)
-    if kind == "sum" and len(infos) == len(tensors):  # a number in a tensor slot would be added on every rank
-        return [Signature(tuple((n, P) for n in names), P)]
-    if kind == "scale":
+    if kind == "sum" and len(infos) == len(tensors) and all(map(finite, numbers)):
+        return [Signature(tuple((n, P) for n in names), P)]  # (a number in a tensor slot: added on every rank)
+    if kind == "scale" and all(map(finite, numbers)):
         return [Signature(tuple((n, P if n == k else B) for n in names), P) for k in names]
-    if kind == "scale_first":
+    if kind == "scale_first" and "self" in infos and all(map(finite_nonzero, numbers)):
         return [Signature(tuple((n, P if i == 0 else B) for i, n in enumerate(names)), P)]
     if kind == "monotone":
         return [Signature(tuple((n, op if i == 0 else B) for i, n in enumerate(names)), op) for op in (P_MAX, P_MIN)]
