@@ -295,15 +295,19 @@ def test_counter_based_values_look_random():
 
 
 def accumulation_body() -> list:
-    """A factory's leaf, and a leaf made by ``requires_grad_()``, through ``sum()`` twice (its gradient an
-    expand), then its gradient scaled in place, on each layout: (layout, the gradient after two backward passes,
-    after ``mul_``)."""
+    """A factory's leaf, and a leaf made by ``requires_grad_()`` or by setting ``requires_grad``, through ``sum()``
+    twice (its gradient an expand), then its gradient scaled in place, on each layout: (layout, the gradient after
+    two backward passes, after ``mul_``)."""
     out = []
     p = st.placement("cpu", [0, 1])
-    for sbp in (split(0), broadcast, partial_sum, "leaf S(0)", "leaf B"):
+    for sbp in (split(0), broadcast, partial_sum, "leaf S(0)", "leaf B", "flag S(0)"):
         if isinstance(sbp, str):
             laid_out = split(0) if "S(0)" in sbp else broadcast
-            leaf = torch.ones(4, 3).to_global(p, broadcast).to_global(sbp=laid_out).detach().requires_grad_()
+            leaf = torch.ones(4, 3).to_global(p, broadcast).to_global(sbp=laid_out).detach()
+            if sbp.startswith("flag"):  # (the attribute, not requires_grad_())
+                leaf.requires_grad = True
+            else:
+                leaf.requires_grad_()
         else:
             leaf = st.ones(4, 3, placement=p, sbp=sbp, requires_grad=True)
         for _ in range(2):

@@ -191,6 +191,27 @@ def test_validation_errors_raise_on_every_rank_and_leave_the_world_usable():
         assert torch.allclose(got, want)
 
 
+def _a_value_read_outside_its_placement():
+    """``item()`` of a loss on ranks 0 and 1, called on every rank: rank 2 holds no part of it and raises alone, with
+    its world left open (nothing waits for it), so all three go on to the next collective."""
+    p = st.placement("cpu", [0, 1])
+    loss = torch.tensor(3.5).to_global(p, broadcast)
+    try:
+        read = loss.item()
+    except ValueError as err:
+        read = str(err)
+    world = st.placement("cpu", [0, 1, 2])
+    return read, st.ones(3, placement=world, sbp=split(0)).sum().item()
+
+
+@pytest.mark.gloo
+def test_a_value_read_outside_its_placement_raises_there_alone():
+    results = run_on_world(3, _a_value_read_outside_its_placement)
+    assert [r[0] for r in results[:2]] == [3.5, 3.5]
+    assert "does not hold this rank (2)" in results[2][0], results[2][0]
+    assert [r[1] for r in results] == [3.0, 3.0, 3.0]
+
+
 def test_messages_name_the_collective_the_placement_the_axis_and_the_ranks():
     p = st.placement("cpu", [[0, 1], [2, 3]])
     assert AxisGroup((2, 3), 0, None, p, 1).describe() == (

@@ -52,6 +52,8 @@ CASES_1D = [
     (lambda x: (x > 0).all(0), X, S(0), PMIN),
     (lambda x: (x > 0).all(), X, S(1), PMIN),
     (lambda x: (x > 0).any(), X, S(0), PMAX),
+    (lambda x: torch.any(x > 0, dim=()), X, S(0), S(0)),  # an empty list of dims reduces none here (not all)
+    (lambda x: torch.all(x > 0, dim=()), X, S(1), S(1)),
     (lambda x: torch.logsumexp(x, 1), X, S(0), S(0)),
     (lambda x: x.cumsum(1), X, S(0), S(0)),
     (lambda x: x.cumsum(1), X, P, P),

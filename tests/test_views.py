@@ -180,3 +180,39 @@ def test_contiguous_of_a_transposed_view_is_a_copy():
         torch.testing.assert_close(got_copy, copy.detach())
         torch.testing.assert_close(grad, plain.grad)
         assert itself
+
+
+def writes_through_views_body() -> list:
+    """In-place adds through ``diagonal()`` and ``as_strided()`` of a square tensor in each layout: (what, the base
+    after the write, or the refusal's message). A diagonal of a broadcast or partial tensor, or of one split along a
+    batch dim, is a view of the parts; the others are computed as copies, whose writes would be lost: refused."""
+    p = st.placement("cpu", [0, 1, 2])
+    X = _x(2, 5, 5, seed=6)
+    out = []
+    writes = {
+        "diagonal": lambda t: t.diagonal(dim1=1, dim2=2).add_(10.0),
+        "as_strided": lambda t: t.as_strided((2, 2), (5, 1), 3).add_(10.0),
+    }
+    for sbp in (B, partial_sum, S(0), S(1)):
+        for what, write in writes.items():
+            x = X.to_global(p, B).to_global(sbp=sbp)
+            try:
+                write(x)
+                out.append((f"{what} of {sbp}", x.full_tensor()))
+            except NotImplementedError as err:
+                out.append((f"{what} of {sbp}", str(err)))
+    return out
+
+
+def test_writes_through_views_reach_the_base_or_are_refused():
+    X = _x(2, 5, 5, seed=6)
+    diagonal, strided = X.clone(), X.clone()
+    diagonal.diagonal(dim1=1, dim2=2).add_(10.0)
+    strided.as_strided((2, 2), (5, 1), 3).add_(10.0)
+    reach = {"diagonal of B", "diagonal of P", "diagonal of S(0)", "as_strided of B"}
+    for results in run_on_world(3, writes_through_views_body):
+        for what, got in results:
+            if what in reach:
+                torch.testing.assert_close(got, diagonal if what.startswith("diagonal") else strided, msg=what)
+            else:
+                assert isinstance(got, str) and "computed as a copy" in got, (what, got)

@@ -223,13 +223,17 @@ def decide(bound: BoundCall) -> Decision:
         one_d = [r for r in (_resolve(s, facts, sbps) for s, sbps in offered) if r is not None]
         candidates = list(filter(None, map(candidate, itertools.product(one_d, repeat=placement.ndim))))
     best = None
+    viewing = getattr(bound.func, "is_view", False)  # (a view of a boxed input is a copy: see GlobalMeta.copied)
     for combo, targets, out_sbps in candidates:
         cost = sum(_decision_cost(plan_boxing(g._meta, t)) for g, t in zip(inputs, targets))
         if _joins_partial(combo, inputs):
             cost += _deferred_reduction(outputs, out_sbps, placement)
         changes = sum(t != g.sbp for g, t in zip(inputs, targets))
         if best is None or (cost, changes) < best[0]:
-            metas = tuple(GlobalMeta(o.shape, o.dtype, placement, s, o.strides) for o, s in zip(outputs, out_sbps))
+            copied = viewing and (changes > 0 or any(g._meta.copied for g in inputs))
+            metas = tuple(
+                GlobalMeta(o.shape, o.dtype, placement, s, o.strides, copied) for o, s in zip(outputs, out_sbps)
+            )
             signatures = tuple(s.signature for s in combo)
             best = ((cost, changes), Decision(tuple(targets), metas, signatures, rule, cost))
     if best is None:

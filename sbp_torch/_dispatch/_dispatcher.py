@@ -88,6 +88,7 @@ def _dispatch_one(bound: BoundCall) -> tuple:
 
 def _decide_and_run(bound: BoundCall) -> tuple:
     _check_operands(bound)
+    _refuse_writes_into_copies(bound)
     key = bound.hashable_key()
     if bound.plain:  # implicit broadcast: the call as it runs has global tensors there, and its own key
         bound = BoundCall(bound.func, *_broadcast_plain_tensors(bound))
@@ -115,6 +116,21 @@ def _check_operands(bound: BoundCall) -> None:
     for g in bound.tensors[1:]:
         if g.placement != first.placement:
             raise ValueError(f"{bound.func}: inputs live on different placements: {first.placement} and {g.placement}")
+
+
+def _refuse_writes_into_copies(bound: BoundCall) -> None:
+    """Raise where the op writes into a view that sbp_torch computed as a copy (``GlobalMeta.copied``): the write
+    would not reach the tensor it is a view of. Such a tensor's key differs from a view's, so no cached plan runs
+    the write first; every rank decides alike."""
+    for i in bound.written:
+        meta = bound.tensors[i]._meta
+        if meta.copied:
+            raise NotImplementedError(
+                f"{bound.func} writes into a view of a global tensor that sbp_torch computed as a copy (the view's "
+                f"input had to be re-laid out, or gathered, first; {meta}): the write would not reach the tensor it "
+                "is a view of. Write into that tensor through an op of its own layout (a masked write, torch.where), "
+                "or lay it out so that the view needs no re-layout (broadcast)"
+            )
 
 
 def _broadcast_plain_tensors(bound: BoundCall) -> tuple:

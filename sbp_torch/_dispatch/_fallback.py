@@ -53,6 +53,12 @@ def run_fallback(bound: BoundCall, why: str):
     placement = bound.placement
     replicated = (broadcast,) * placement.ndim
     member = placement.local_coord() is not None
+    if func in VALUE_OPS and not member:  # (nothing waits for this rank here: raise alone, its world left open)
+        raise ValueError(
+            f"{func} reads the value of a global tensor on {placement}, which does not hold this rank "
+            f"({dist.get_rank()}): read it on the ranks of its placement, or move it to a placement that holds this "
+            "rank first (to_global)"
+        )
     full_values: dict[int, torch.Tensor] = {}
 
     def full(a):
@@ -83,6 +89,9 @@ def run_fallback(bound: BoundCall, why: str):
     if written and bound.schema.returns_written:
         return written[0] if len(written) == 1 else tuple(written)
     device = bound.tensors[0]._local.device
+    # a view of gathered values is a copy (GlobalMeta.copied); of broadcast ones taken as they are, a view of the part
+    viewing = getattr(func, "is_view", False)
+    copied = viewing and any(full_values[id(g)] is not g._local or g._meta.copied for g in bound.tensors)
 
     def wrap(o):
         if not isinstance(o, torch.Tensor):
@@ -90,7 +99,7 @@ def run_fallback(bound: BoundCall, why: str):
         if o.layout != torch.strided:  # a global tensor is dense: wrapping this would report a layout it lacks
             raise NotImplementedError(f"{bound.func} returns a {o.layout} tensor; global tensors are dense (strided)")
         refuse_value_dependent(o.shape, f"the output of {bound.func} on global tensors")
-        meta = GlobalMeta(tuple(o.shape), o.dtype, placement, replicated, tuple(o.stride()))
+        meta = GlobalMeta(tuple(o.shape), o.dtype, placement, replicated, tuple(o.stride()), copied)
         return GlobalTensor(o if member else o.new_empty(0, device=device), meta)
 
     return tree_map(wrap, out)

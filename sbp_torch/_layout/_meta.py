@@ -101,6 +101,9 @@ class GlobalMeta:
     placement: Placement
     sbp: tuple[SbpType, ...]
     strides: tuple[int, ...] | None = None
+    # A view (to torch) whose part was computed as a copy (its input boxed first, or gathered): writes into it would
+    # not reach its base, and are refused
+    copied: bool = False
 
     def __post_init__(self):
         if self.strides is None:
@@ -110,7 +113,7 @@ class GlobalMeta:
     def _hash(self) -> int:
         # Metadata is hashed on every dispatch (decision cache keys): compute the hash once, when first asked
         # (not on construction, which torch.compile traces where it cannot always hash a placement).
-        return hash((self.shape, self.dtype, self.placement, self.sbp, self.strides))
+        return hash((self.shape, self.dtype, self.placement, self.sbp, self.strides, self.copied))
 
     def __hash__(self) -> int:
         return self._hash
@@ -150,7 +153,10 @@ class GlobalMeta:
     def __repr__(self) -> str:
         sbp = ", ".join(map(repr, self.sbp))
         strides = "" if self.contiguous else f", strides={tuple(self.strides)}"
-        return f"shape={tuple(self.shape)}, dtype={self.dtype}, placement={self.placement}, sbp=({sbp}){strides}"
+        copied = ", a view computed as a copy" if self.copied else ""
+        return (
+            f"shape={tuple(self.shape)}, dtype={self.dtype}, placement={self.placement}, sbp=({sbp}){strides}{copied}"
+        )
 
 
 def normalize_sbp(sbp, p: Placement, ndim: int, dtype: torch.dtype) -> tuple[SbpType, ...]:

@@ -87,6 +87,18 @@ def reduced_dims(dim, ndim: int) -> tuple[int, ...]:
     return () if ndim == 0 else normalize_dims(dim, ndim)
 
 
+# Ops for which an empty list of dims reduces none of them (torch's any and all over dims), where sum and the others
+# reduce every dim
+EMPTY_DIMS_KEEP_ALL = {aten.any.dims, aten.all.dims}
+
+
+def _reduced(call: OpCall) -> tuple[int, ...]:
+    dim = call.get("dim")
+    if call.func in EMPTY_DIMS_KEEP_ALL and dim is not None and len(dim) == 0:
+        return ()
+    return reduced_dims(dim, call["self"].ndim)
+
+
 def _order(arguments) -> float:
     """The order of a vector norm (``ord`` or ``p``; 2 when not given)."""
     order = arguments.get("ord", arguments.get("p"))
@@ -101,7 +113,7 @@ def _every_part_nonempty(call: OpCall, combo: tuple[Signature, ...]) -> bool:
     fails_on_empty = (math.isinf(order) or order < 0) if order is not None else split_gives in (P_MAX, P_MIN)
     if not fails_on_empty:
         return True
-    return all(smallest_part(call, combo, "self", d) > 0 for d in reduced_dims(call.get("dim"), call["self"].ndim))
+    return all(smallest_part(call, combo, "self", d) > 0 for d in _reduced(call))
 
 
 def _mean(func, ctx: LocalContext) -> torch.Tensor:
@@ -172,7 +184,7 @@ def _shape_rule(call: OpCall) -> list[TensorInfo] | None:
 )
 def reduction(call: OpCall) -> list[Signature]:
     x = call["self"]
-    reduced = reduced_dims(call.get("dim"), x.ndim)
+    reduced = _reduced(call)
     keepdim = call.get("keepdim", False)
     split_gives, kept = REDUCTIONS[call.func]
     signatures = []

@@ -113,6 +113,14 @@ def _drop_dim(call: OpCall) -> dict[int, int]:
     return {d: d - (d > dim) for d in range(n) if d != dim}
 
 
+def _diagonal(call: OpCall) -> dict[int, int]:
+    """diagonal: the two dims become one, the last; the others keep their order in front of it."""
+    n = call["self"].ndim
+    taken = {_norm(call.get("dim1", 0), n), _norm(call.get("dim2", 1), n)}
+    kept = [d for d in range(n) if d not in taken]
+    return {d: kept.index(d) for d in kept}
+
+
 def _other_dims(dims_argument: str, default):
     """Ops that change only the dims named by an argument (split, flip, roll, rot90, narrow_copy, unfold)."""
 
@@ -200,6 +208,7 @@ SINGLE_INPUT_VIEWS = {
     aten.expand.default: (_expand, "local_size"),
     aten.slice.Tensor: (_slice, None),
     aten.select.int: (_drop_dim, None),
+    aten.diagonal.default: (_diagonal, None),
     aten.unbind.int: (_drop_dim, None),
     aten.split.Tensor: (_other_dims("dim", 0), None),
     aten.split_with_sizes.default: (_other_dims("dim", 0), None),
@@ -252,7 +261,7 @@ def _one_input(call: OpCall, kept: dict[int, int], local_fn: str | None) -> list
 
 
 # Every argument the kept-dims functions above read.
-VIEW_ARGUMENTS = ("dim", "dim0", "dim1", "dims", "step", "repeats", "input_sizes", "dimension")
+VIEW_ARGUMENTS = ("dim", "dim0", "dim1", "dim2", "dims", "step", "repeats", "input_sizes", "dimension")
 
 
 @register(*SINGLE_INPUT_VIEWS, reads=VIEW_ARGUMENTS, local_fns=LOCAL_FNS)
