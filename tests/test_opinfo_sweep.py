@@ -2,10 +2,10 @@
 
 A CI-sized slice of ``docs/coverage.md``: about fifty entries of the main families (unary and binary
 pointwise, reductions, matmul, views, softmax, losses, norms) run with random layouts (split on any dim, uneven
-included, broadcast, partial sum), forward and backward, against one process. Each entry of
-``EXPECTED_PASS`` must pass; each of ``EXPECTED_FAILURES`` must still fail (when one starts passing, move it:
-the lists are reviewed, as in PyTorch's own DTensor OpInfo test). ``NATIVE`` entries must also run without
-sbp_torch's broadcast fallback.
+included, broadcast, partial sum), forward and backward, against one process, the outputs' strides and
+contiguity too. Each entry of ``EXPECTED_PASS`` must pass and report plain torch's strides; each of
+``EXPECTED_FAILURES`` must still fail (when one starts passing, move it: the lists are reviewed, as in PyTorch's
+own DTensor OpInfo test). ``NATIVE`` entries must also run without sbp_torch's broadcast fallback.
 
 The sweep runs once, under ``torchrun`` in a subprocess, like the full sweep does (about 20 s).
 """
@@ -129,6 +129,7 @@ NO_BACKWARD = {"argmax", "short", "bmm.triton_optimized"}
 def test_entry_passes(sweep, name):
     record = sweep[name]
     assert record["status"] == "pass", f"{name}: {record['status']}: {record['detail']}"
+    assert "metadata" not in record, f"{name}: an output reports other strides than plain torch's: {record['metadata']}"
     assert record["samples"] > 0
     assert (record["backward_samples"] > 0) == (name not in NO_BACKWARD), f"{name}: {record['backward_samples']}"
 

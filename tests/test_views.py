@@ -183,15 +183,18 @@ def test_contiguous_of_a_transposed_view_is_a_copy():
 
 
 def writes_through_views_body() -> list:
-    """In-place adds through ``diagonal()`` and ``as_strided()`` of a square tensor in each layout: (what, the base
-    after the write, or the refusal's message). A diagonal of a broadcast or partial tensor, or of one split along a
-    batch dim, is a view of the parts; the others are computed as copies, whose writes would be lost: refused."""
+    """In-place adds through ``diagonal()``, ``as_strided()``, ``x[index]`` and the rows of ``unbind`` of a square
+    tensor in each layout: (what, the base after the write, or the refusal's message). A diagonal of a broadcast or
+    partial tensor, or of one split along a batch dim, and rows along a dim that is not split, are views of the parts;
+    ``x[index]`` computed as a copy is written back; the other copies' writes would be lost: refused."""
     p = st.placement("cpu", [0, 1, 2])
     X = _x(2, 5, 5, seed=6)
     out = []
     writes = {
         "diagonal": lambda t: t.diagonal(dim1=1, dim2=2).add_(10.0),
         "as_strided": lambda t: t.as_strided((2, 2), (5, 1), 3).add_(10.0),
+        "index": lambda t: t[:, 1:4].add_(10.0),  # (written back into t where the slice is a copy)
+        "rows": lambda t: [row.add_(10.0) for row in t.unbind(1)],
     }
     for sbp in (B, partial_sum, S(0), S(1)):
         for what, write in writes.items():
@@ -206,13 +209,16 @@ def writes_through_views_body() -> list:
 
 def test_writes_through_views_reach_the_base_or_are_refused():
     X = _x(2, 5, 5, seed=6)
-    diagonal, strided = X.clone(), X.clone()
-    diagonal.diagonal(dim1=1, dim2=2).add_(10.0)
-    strided.as_strided((2, 2), (5, 1), 3).add_(10.0)
-    reach = {"diagonal of B", "diagonal of P", "diagonal of S(0)", "as_strided of B"}
+    written = {what: X.clone() for what in ("diagonal", "as_strided", "index", "rows")}
+    written["diagonal"].diagonal(dim1=1, dim2=2).add_(10.0)
+    written["as_strided"].as_strided((2, 2), (5, 1), 3).add_(10.0)
+    written["index"][:, 1:4].add_(10.0)
+    written["rows"] += 10.0
+    reach = {"diagonal of B", "diagonal of P", "diagonal of S(0)", "as_strided of B", "rows of B", "rows of P"}
+    reach |= {f"index of {sbp}" for sbp in (B, partial_sum, S(0), S(1))} | {"rows of S(0)"}
     for results in run_on_world(3, writes_through_views_body):
         for what, got in results:
             if what in reach:
-                torch.testing.assert_close(got, diagonal if what.startswith("diagonal") else strided, msg=what)
+                torch.testing.assert_close(got, written[what.split(" of ")[0]], msg=what)
             else:
                 assert isinstance(got, str) and "computed as a copy" in got, (what, got)

@@ -3,6 +3,6 @@ in-place views). ``dispatch`` is the handler of ``GlobalTensor.__torch_dispatch_
 
 from ._bound import BoundCall, at, by_name, find_tensors, substitute
 from ._cache import CacheInfo, LruCache
-from ._dispatcher import CALLS, MixedTensorError, dispatch, recording
+from ._dispatcher import CALLS, MixedTensorError, WriteIntoCopy, dispatch, recording
 from ._modes import IMPLICIT_BROADCAST, implicit_broadcast, set_strict, strict
 from ._native import NATIVE, PYTHON_CALLEES, native_local_calls, torch_dispatch

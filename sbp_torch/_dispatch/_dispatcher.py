@@ -118,18 +118,28 @@ def _check_operands(bound: BoundCall) -> None:
             raise ValueError(f"{bound.func}: inputs live on different placements: {first.placement} and {g.placement}")
 
 
+class WriteIntoCopy(NotImplementedError):
+    """An op writes into ``tensor``, a view that sbp_torch computed as a copy (``GlobalMeta.copied``): the write would
+    not reach the tensor it is a view of. (The frontend writes such a view back where it knows where it came from:
+    ``x[index]``.)"""
+
+    def __init__(self, message: str, tensor: GlobalTensor):
+        super().__init__(message)
+        self.tensor = tensor
+
+
 def _refuse_writes_into_copies(bound: BoundCall) -> None:
-    """Raise where the op writes into a view that sbp_torch computed as a copy (``GlobalMeta.copied``): the write
-    would not reach the tensor it is a view of. Such a tensor's key differs from a view's, so no cached plan runs
-    the write first; every rank decides alike."""
+    """Raise ``WriteIntoCopy`` where the op writes into a view that sbp_torch computed as a copy. Such a tensor's
+    key differs from a view's, so no cached plan runs the write first; every rank decides alike."""
     for i in bound.written:
         meta = bound.tensors[i]._meta
         if meta.copied:
-            raise NotImplementedError(
+            raise WriteIntoCopy(
                 f"{bound.func} writes into a view of a global tensor that sbp_torch computed as a copy (the view's "
                 f"input had to be re-laid out, or gathered, first; {meta}): the write would not reach the tensor it "
                 "is a view of. Write into that tensor through an op of its own layout (a masked write, torch.where), "
-                "or lay it out so that the view needs no re-layout (broadcast)"
+                "or lay it out so that the view needs no re-layout (broadcast)",
+                bound.tensors[i],
             )
 
 

@@ -10,7 +10,15 @@ Both run on ``x``'s parts in its own layout (no gather) and carry gradients to `
 of tensors or lists alone is ``index_put_`` on ``x`` in torch; mixed with a basic entry that cuts a split dim
 (``x[1, [0, 2]]``, ``x[0, mask]``, a 0-dim integer tensor), torch writes into the basic entry's view, so it is
 concerned too (its global tensors are made whole to pick the mask). ``fill_diagonal_`` (a write through
-``as_strided``) becomes a masked fill the same way."""
+``as_strided``) becomes a masked fill the same way.
+
+An in-place op on ``x[index]`` itself (``x[1:3].add_(1)``, ``nn.init.normal_(x[1:3])``, and the first half of
+``x[index] += v``, which Python runs as ``add_`` on ``x[index]`` and then ``x[index] = ...``) writes into that copy:
+the dispatcher refuses a write into a view computed as a copy (``WriteIntoCopy``), and where the copy came from
+``x[index]`` (remembered on it), the op runs on the copy and the copy is then written into ``x`` as above. A write
+into a copy made otherwise (``x.diagonal()`` of split dims, ``x.unbind()``) stays refused."""
+
+import dataclasses
 
 import torch
 
@@ -19,7 +27,39 @@ from .._tensor import GlobalTensor
 
 SETITEM = torch._C.TensorBase.__setitem__
 FILL_DIAGONAL = torch._C.TensorBase.fill_diagonal_
+
+GETITEM = torch._C.TensorBase.__getitem__
 DATA = torch._C.TensorBase.__dict__["data"]  # (``t.data = v`` reaches __torch_function__ as its ``__set__``)
+
+
+# The copy ``x[index]`` -> (x, index), for the writes into it (held by the copy; the copy holds x as its base anyway)
+_INDEX_ATTRIBUTE = "_sbp_torch_indexed_from"
+
+
+def remember_index(args, result):
+    """``result`` of ``x[index]`` (``args``), remembering ``(x, index)`` on it where it is a copy."""
+    if isinstance(result, GlobalTensor) and result._meta.copied:
+        setattr(result, _INDEX_ATTRIBUTE, (args[0], args[1]))
+    return result
+
+
+def index_of(copy: GlobalTensor):
+    """``(x, index)`` where ``copy`` is ``x[index]`` computed as a copy, else None."""
+    return getattr(copy, _INDEX_ATTRIBUTE, None)
+
+
+def written_back(copy: GlobalTensor, write):
+    """``write()`` (an op that writes into ``copy``, which is ``x[index]`` computed as a copy) run on the copy as on
+    any tensor, then the copy written into ``x`` at ``index``; what ``write()`` returns."""
+    x, index = index_of(copy)
+    meta = copy._meta
+    copy._meta = dataclasses.replace(meta, copied=False)
+    try:
+        result = write()
+    finally:
+        copy._meta = meta
+    assign(x, index, copy)
+    return result
 
 
 def _cut_dims(index, ndim: int) -> list[int]:

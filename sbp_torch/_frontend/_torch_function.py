@@ -22,9 +22,21 @@ import torch
 from torch.compiler import is_dynamo_compiling
 
 from .._comm import compiling
-from .._dispatch import native_local_calls
+from .._dispatch import WriteIntoCopy, native_local_calls
 from .._layout import Broadcast
-from ._assignment import DATA, FILL_DIAGONAL, SETITEM, assign, fill_diagonal, set_data, through_a_copy
+from ._assignment import (
+    DATA,
+    FILL_DIAGONAL,
+    GETITEM,
+    SETITEM,
+    assign,
+    fill_diagonal,
+    index_of,
+    remember_index,
+    set_data,
+    through_a_copy,
+    written_back,
+)
 from ._batched_matmul import MATMUL_FUNCS, BatchedMatmul, applies
 from ._below_autograd import below_autograd, run_below_autograd, values_read, without_torch_function
 from ._gradient_boundary import at_uses
@@ -36,30 +48,37 @@ from ._plain_inputs import check_plain_inputs
 
 def torch_function(cls, func, types, args=(), kwargs=None):
     """``GlobalTensor.__torch_function__`` (see the module docstring)."""
-    if func in DISPATCH_ONLY:
-        if len(args) > 1 or kwargs:  # (a getter takes its tensor alone: nothing plain to refuse)
-            check_plain_inputs(func, args, kwargs)
-        return below_autograd(func, types, args, kwargs)
-    if _EAGER is not None and not torch.compiler.is_compiling():  # (Dynamo, tracing this, reads True)
-        result = without_torch_function(_EAGER, types, (func, types, args, kwargs))
-        if result is not NOT_HANDLED:
-            return result
-    check_plain_inputs(func, args, kwargs)
-    if func is SETITEM and through_a_copy(*args[:2]):
-        return _assigned_eagerly(*args) if is_dynamo_compiling() else assign(*args)
-    if func == _SET_DATA:  # (t.data = v)
-        return set_data(*args)
-    if func is FILL_DIAGONAL and not all(isinstance(s, Broadcast) for s in args[0]._meta.sbp):
-        return fill_diagonal(*args, **(kwargs or {}))
-    if func in MATMUL_FUNCS and applies(func, args, kwargs or {}):
-        return BatchedMatmul.apply(*args)
-    if func in SDPA_FUNCS and grouped_attention(func, args, kwargs or {}):
-        args, kwargs = with_repeated_heads(args, kwargs or {})
-        return func(*args, **kwargs)
-    if compiling():
-        args, kwargs = at_uses(func, args, kwargs)
-        return below_autograd(func, types, args, kwargs)
-    return without_torch_function(_LOCAL_OR_BELOW_AUTOGRAD, types, (func, types, args, kwargs))
+    try:
+        if func in DISPATCH_ONLY:
+            if len(args) > 1 or kwargs:  # (a getter takes its tensor alone: nothing plain to refuse)
+                check_plain_inputs(func, args, kwargs)
+            result = below_autograd(func, types, args, kwargs)
+            return remember_index(args, result) if func is GETITEM else result
+        if _EAGER is not None and not torch.compiler.is_compiling():  # (Dynamo, tracing this, reads True)
+            result = without_torch_function(_EAGER, types, (func, types, args, kwargs))
+            if result is not NOT_HANDLED:
+                return remember_index(args, result) if func is GETITEM else result
+        check_plain_inputs(func, args, kwargs)
+        if func is SETITEM and through_a_copy(*args[:2]):
+            return _assigned_eagerly(*args) if is_dynamo_compiling() else assign(*args)
+        if func == _SET_DATA:  # (t.data = v)
+            return set_data(*args)
+        if func is FILL_DIAGONAL and not all(isinstance(s, Broadcast) for s in args[0]._meta.sbp):
+            return fill_diagonal(*args, **(kwargs or {}))
+        if func in MATMUL_FUNCS and applies(func, args, kwargs or {}):
+            return BatchedMatmul.apply(*args)
+        if func in SDPA_FUNCS and grouped_attention(func, args, kwargs or {}):
+            args, kwargs = with_repeated_heads(args, kwargs or {})
+            return func(*args, **kwargs)
+        if compiling():
+            args, kwargs = at_uses(func, args, kwargs)
+            return below_autograd(func, types, args, kwargs)
+        result = without_torch_function(_LOCAL_OR_BELOW_AUTOGRAD, types, (func, types, args, kwargs))
+        return remember_index(args, result) if func is GETITEM else result
+    except WriteIntoCopy as refused:
+        if index_of(refused.tensor) is None:
+            raise
+        return written_back(refused.tensor, lambda: func(*args, **(kwargs or {})))
 
 
 _SET_DATA = DATA.__set__  # (a method-wrapper: made anew at each access, equal to this one)

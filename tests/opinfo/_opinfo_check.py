@@ -344,6 +344,23 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {' '.join(lines[:2])[:300]}"
 
 
+_FORMATS = {4: torch.channels_last, 5: torch.channels_last_3d}
+
+
+def metadata_difference(got: torch.Tensor, want: torch.Tensor) -> str | None:
+    """How a global output's strides or contiguity differ from the plain output's, or None. A dim of one element may
+    have any stride (torch's own kernels disagree there), so only the others' are compared."""
+    if got.shape != want.shape:
+        return None  # (the values' comparison says so)
+    strides = [(s, t) for n, s, t in zip(want.shape, got.stride(), want.stride()) if n != 1]
+    if any(s != t for s, t in strides):
+        return f"strides {tuple(got.stride())}, plain {tuple(want.stride())}"
+    for memory_format in [torch.contiguous_format] + ([_FORMATS[want.dim()]] if want.dim() in _FORMATS else []):
+        if got.is_contiguous(memory_format=memory_format) != want.is_contiguous(memory_format=memory_format):
+            return f"is_contiguous({memory_format}) {got.is_contiguous(memory_format=memory_format)}, plain not"
+    return None
+
+
 def _compare(got, want, what: str, atol: float, rtol: float):
     try:
         torch.testing.assert_close(got, want, atol=atol, rtol=rtol, equal_nan=True)
@@ -474,6 +491,13 @@ class SampleCheck:
 
         compiled = self._compiled_op() if self.compile_backend else None
         self.got_out = self._call(map_tensors(distribute, plain_args), compiled)
+        self.metadata = [
+            f"output {i}: {difference}"
+            for i, (g, w) in enumerate(zip(leaves(self.got_out), leaves(self.ref_out)))
+            if self.backend.is_global(g)
+            and isinstance(w, torch.Tensor)
+            and (difference := metadata_difference(g, w)) is not None
+        ]
         self.got_full = self._gather(self.got_out)
         want, got = leaves(self.ref_out), leaves(self.got_full)
         if len(want) != len(got):

@@ -143,6 +143,28 @@ def _commit() -> str:
         return "unknown"
 
 
+def metadata(runs: dict) -> list[str]:
+    """Per run, how many passing entries' outputs report other strides or contiguity than the plain op's, and for
+    sbp_torch each such entry with its first difference."""
+    lines = ["| backend | mesh | passing entries | with other strides or contiguity |", "|---|---|---|---|"]
+    for (backend, mesh), res in sorted(runs.items()):
+        passing = [v for v in res["entries"].values() if v["status"] == "pass"]
+        lines.append(f"| {backend} | {mesh} | {len(passing)} | {sum('metadata' in v for v in passing)} |")
+    differing: dict = {}
+    for (backend, mesh), res in sorted(runs.items()):
+        if backend != "sbp":
+            continue
+        for name, v in res["entries"].items():
+            if v["status"] == "pass" and "metadata" in v:
+                differing.setdefault(name, (v["family"], mesh, v["metadata"]))
+    lines += ["", "| entry | family | first mesh | first difference (sample, layouts, output) |", "|---|---|---|---|"]
+    lines += [
+        f"| `{name}` | {family} | {mesh} | {_message(detail)} |"
+        for name, (family, mesh, detail) in sorted(differing.items())
+    ]
+    return lines if differing else lines[:-2] + ["", "No passing entry of sbp_torch reports other metadata."]
+
+
 def report(runs: dict) -> str:
     meta = next(iter(runs.values()))["meta"]
     out = [
@@ -209,6 +231,18 @@ def report(runs: dict) -> str:
         "on the first mesh where it fails, then the error).",
         "",
         *failing(runs, "sbp"),
+        "",
+        "## Strides and contiguity",
+        "",
+        "For every passing sample, each global output's strides (of every dim with more than one element: torch's",
+        "own kernels disagree on the others) and `is_contiguous` in the contiguous format and, for 4-D and 5-D",
+        "outputs, the channels-last one, against the plain output's. A global tensor reports the logical tensor's",
+        "strides (`docs/concepts.md`), taken from torch's meta kernels where the output is not a contiguous one of",
+        "a rule; a difference here is one of torch's meta kernels disagreeing with its CPU kernel, or a layout",
+        "sbp_torch chose (an output of the broadcast fallback takes the CPU kernel's strides on the gathered",
+        "values).",
+        "",
+        *metadata(runs),
         "",
         "## DTensor: failure causes, grouped",
         "",

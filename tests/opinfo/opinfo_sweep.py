@@ -8,7 +8,9 @@ Launch on as many ranks as the mesh has::
 For every op_db entry that supports float32 on CPU, the first K samples are checked (see ``_opinfo_check.py``):
 each tensor of a sample gets a layout drawn from split (each dim of size >= 1), broadcast and partial sum,
 seeded by the entry name and sample index, so every rank and both backends draw the same. An entry passes when
-all its samples match forward and, if it supports autograd, backward.
+all its samples match forward and, if it supports autograd, backward. Each global output's strides and contiguity
+are compared with the plain output's too; the first difference is recorded (``metadata``), not counted as a
+failure.
 
 Ranks agree on every sample's outcome (over a process group of their own) before going on, so that an op
 raising on one rank cannot leave another blocked in a collective; they also compare the samples they drew and
@@ -212,6 +214,8 @@ def check_sample(check, agree: Agreement, record: dict, where: str, counter: str
     if kind != "ok":
         return {**record, **_failed(kind, "forward", where, value)}
     record[counter] += 1
+    if check.metadata and "metadata" not in record:  # (the first sample whose outputs report other strides)
+        record["metadata"] = f"{where}: {check.metadata[0]}"
     if not needs_backward:
         return None
     ref_grads = check.reference_grads()  # plain tensors only: the same on every rank
