@@ -73,9 +73,50 @@ class StepNotTraceable(RuntimeError):
     """``compile_step`` cannot trace the step as one program; the message says what it met."""
 
 
+class StepKey(NamedTuple):
+    """What a traced program depends on, beside the forms of the tensors holding the state: a program runs for the
+    key it was traced for (``CompiledStep.__call__``)."""
+
+    nesting: Any  # the arguments' pytree spec (or their count, for a flat call of tensors)
+    arguments: tuple  # per argument leaf, ``_describe``
+    grad_mode: bool
+    autocast: tuple  # ``_autocast()``: autocast per device and the default dtype
+    training: tuple  # each module's training flag
+    requires_grad: tuple  # which parameters require grad
+    no_grads: tuple  # which gradients are None
+    hyperparameters: tuple  # the optimizers' hyperparameters but the lifted learning rates
+    peers: tuple | None  # every rank's arguments but the global ones, once a program was laid out on them
+
+    def differences(self, other: StepKey) -> str | None:
+        """The parts in which two keys differ, in words (None: in none)."""
+        changed = [_KEY_PARTS[name] for name, a, b in zip(self._fields, self, other) if a != b]
+        return " and ".join(changed) or None
+
+
+# What each part of a StepKey is, in words (messages that say what changed)
+_KEY_PARTS = {
+    "nesting": "the arguments' nesting",
+    "arguments": "the arguments' shapes, dtypes, layouts or values",
+    "grad_mode": "grad mode",
+    "autocast": "autocast or the default dtype",
+    "training": "a module's training flag",
+    "requires_grad": "which parameters require grad",
+    "no_grads": "which gradients are None",
+    "hyperparameters": "the optimizer's hyperparameters",
+    "peers": "the ranks' arguments",
+}
+
+
+class _StateKey(NamedTuple):
+    """Where an optimizer keeps one state tensor: ``optimizer.state[param][name]``."""
+
+    param: Any
+    name: str
+
+
 class _Holder(NamedTuple):
     """Where one state tensor is kept: ``kind`` "part" (a parameter's ``_local``), "grad" (its ``.grad``), "buffer"
-    (``owner[key]``, a module's buffers) or "state" (``owner.state[p][name]`` of an optimizer, ``key`` = (p, name):
+    (``owner[key]``, a module's buffers) or "state" (``owner.state[p][name]`` of an optimizer, ``key`` a ``_StateKey``:
     read through the optimizer, so a state dict created after the trace is the one written)."""
 
     kind: str
@@ -89,8 +130,8 @@ class _Holder(NamedTuple):
             with torch._C.DisableTorchFunctionSubclass():  # (no Python entry per parameter)
                 return _grad_of(self.owner)
         if self.kind == "state":
-            state = self.owner.state.get(self.key[0])
-            return None if state is None else state.get(self.key[1])
+            state = self.owner.state.get(self.key.param)
+            return None if state is None else state.get(self.key.name)
         return self.owner.get(self.key)
 
     def set(self, value) -> None:
@@ -101,9 +142,9 @@ class _Holder(NamedTuple):
                 _set_grad(self.owner, value)
         elif self.kind == "state":
             if value is not None:
-                self.owner.state[self.key[0]][self.key[1]] = value
-            elif self.key[0] in self.owner.state:
-                self.owner.state[self.key[0]].pop(self.key[1], None)
+                self.owner.state[self.key.param][self.key.name] = value
+            elif self.key.param in self.owner.state:
+                self.owner.state[self.key.param].pop(self.key.name, None)
         elif value is None:
             self.owner.pop(self.key, None)
         else:
@@ -127,6 +168,16 @@ def _same_form(a, b) -> bool:
         return False
     pa, pb = _part(a), _part(b)
     return pa.shape == pb.shape and pa.dtype == pb.dtype and pa.device == pb.device
+
+
+@dataclasses.dataclass
+class _Outcome:
+    """What the traced step left for its program's runtime (set while ``make_fx`` traces it): the results' nesting,
+    each result leaf's form (``_form``), and the holders that take a new value per call (``_write_back``)."""
+
+    results: pytree.TreeSpec | None = None
+    forms: list = dataclasses.field(default_factory=list)
+    writes: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -210,7 +261,9 @@ class CompiledStep:
                 state = optimizer.state.get(p)
                 if state:
                     holders += [
-                        _Holder("state", optimizer, (p, k)) for k, v in state.items() if isinstance(v, torch.Tensor)
+                        _Holder("state", optimizer, _StateKey(p, k))
+                        for k, v in state.items()
+                        if isinstance(v, torch.Tensor)
                     ]
         return holders
 
@@ -262,16 +315,16 @@ class CompiledStep:
         with torch._C.DisableTorchFunctionSubclass():
             frozen = tuple(map(_requires_grad, self.params))
         described = tuple(_describe(leaf) for leaf in leaves)
-        key = (
-            spec,
-            described,
-            torch.is_grad_enabled(),
-            _autocast(),
-            tuple(map(_training, self.modules)),
-            frozen,
-            no_grads,
-            self._hyperparameters(),
-            self._peer_arguments(described) if self.peers_in_key else None,
+        key = StepKey(
+            nesting=spec,
+            arguments=described,
+            grad_mode=torch.is_grad_enabled(),
+            autocast=_autocast(),
+            training=tuple(map(_training, self.modules)),
+            requires_grad=frozen,
+            no_grads=no_grads,
+            hyperparameters=self._hyperparameters(),
+            peers=self._peer_arguments(described) if self.peers_in_key else None,
         )
         program = self.programs.get(key)
         if program is not None and not _same_state(held, program):
@@ -322,48 +375,20 @@ class CompiledStep:
             for d in described
             if d[0] != "global"
         ]
-        gathered = comm.gather_call_facts("a compile_step call", (self.name, tuple(mine)))
-        if len({name for name, _ in gathered}) > 1:
-            steps = ", ".join(f"rank {r}: {name}" for r, (name, _) in enumerate(gathered))
-            raise comm.RanksDisagree(f"compile_step: the ranks called different steps at once ({steps})")
-        return tuple(theirs for _, theirs in gathered)
+        return comm.step_arguments(self.name, tuple(mine))
 
-    def _refuse_a_lone_trace(self, key, call: int) -> None:
-        """Raise on this rank, its world closed, where it would trace a program while other ranks run one they
-        hold: each would wait for the other until a timeout (``comm.ranks_running``)."""
-        running = comm.ranks_running(self.number, call, f"compile_step, {self.name}")
-        if not running:
-            return
-        error = comm.RanksDisagree(
-            f"compile_step, {self.name}: this rank traces a new program at call #{call} while rank(s) {running} run "
-            f"one they traced before. On this rank {_what_changed(key, self.programs)}. What a program is traced "
-            "for must change on every rank alike (docs/compile.md)"
-        )
-        comm.close_world(f"RanksDisagree: {error}", error)
-        raise error
+    def _refuse_a_lone_trace(self, key: StepKey, call: int) -> None:
+        """Raise on every rank where this one would trace alone (``comm.refuse_a_lone_trace``)."""
+        comm.refuse_a_lone_trace(self.number, call, self.name, lambda: _what_changed(key, self.programs))
 
-    def _refuse_other_programs(self, key, program: _Program, call: int) -> None:
-        """Raise on this rank, its world closed, where the ranks it ran with ran other programs than its own at this
-        call (their collectives paired with others: wrong values, or a wait). Asked by a rank that switched to
-        another held program (ranks tracing at a call trace together): a rank that switches alone finds the others
-        on their old program, and closing its world makes them raise at their next collective with it, so the
-        ranks that did not switch need not ask, and a step that runs one program after another asks nothing."""
-        others = {r: n for r, n in comm.programs_run(self.number, call).items() if n != program.number}
-        if not others:
-            return
-        number = next(iter(others.values()))
-        if number == 0:
-            how = "traced a new program there"
-        else:
+    def _refuse_other_programs(self, key: StepKey, program: _Program, call: int) -> None:
+        """Raise where the ranks this one ran with ran other programs (``comm.refuse_other_programs``)."""
+
+        def why(number: int) -> str:
             theirs = next((k for k, p in self.programs.items() if p.number == number), None)
-            how = f"its key differs from this one's in {_differences(key, theirs)}" if theirs else "not held here"
-        error = comm.RanksDisagree(
-            f"compile_step, {self.name}: at call #{call} rank(s) {sorted(others)} ran another program than this "
-            f"rank's (#{number} there, #{program.number} here): {how}. What a program is traced for must change on "
-            "every rank alike (docs/compile.md)"
-        )
-        comm.close_world(f"RanksDisagree: {error}", error)
-        raise error
+            return f"its key differs from this one's in {key.differences(theirs)}" if theirs else "not held here"
+
+        comm.refuse_other_programs(self.number, call, self.name, program.number, why)
 
     def _trace(self, key, leaves, spec, holders, values, held) -> _Program:
         self.traces += 1
@@ -373,7 +398,7 @@ class CompiledStep:
             self.lr_tensors.append(torch.zeros((), dtype=torch.float64, device=device))
         present = [(h, v) for h, v in zip(holders, values) if v is not None]
         arg_leaves = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-        outcome = {}
+        outcome = _Outcome()
 
         def program(*flat):
             lrs, rest = flat[: len(groups)], flat[len(groups) :]
@@ -392,8 +417,8 @@ class CompiledStep:
                     "compile_step: the step sets the learning rate (a scheduler's step() inside it?); the program "
                     "reads it from the parameter group at each call: change it outside the step"
                 )
-            result_leaves, outcome["results"] = pytree.tree_flatten(result)
-            outcome["forms"] = [_form(leaf) for leaf in result_leaves]
+            result_leaves, outcome.results = pytree.tree_flatten(result)
+            outcome.forms = [_form(leaf) for leaf in result_leaves]
             returned = [_part(leaf) for leaf in result_leaves if isinstance(leaf, torch.Tensor)]
             return returned + _write_back(present, state, self._holders(), outcome)
 
@@ -422,12 +447,10 @@ class CompiledStep:
             raise StepNotTraceable(why or failed) from failure
         if agreed and not self.peers_in_key:  # (alike on every rank: agreeing takes them all)
             self.peers_in_key = True
-            key = (*key[:-1], self._peer_arguments(key[1]))  # (what was agreed: the parts the ranks hold now)
+            key = key._replace(peers=self._peer_arguments(key.arguments))  # (what was agreed: the parts held now)
         forms = [_form_of(v) for v in held]
         state, order = [_part(v) for _, v in present], [h for h, _ in present]
-        compiled = _Program(
-            run, held, forms, state, order, outcome["results"], outcome["forms"], outcome["writes"], self.traces
-        )
+        compiled = _Program(run, held, forms, state, order, outcome.results, outcome.forms, outcome.writes, self.traces)
         self.programs[key] = compiled
         self.programs.move_to_end(key)
         while len(self.programs) > _KEYS_KEPT:
@@ -435,27 +458,16 @@ class CompiledStep:
         return compiled
 
 
-# What each entry of a program's key holds (``CompiledStep.__call__``), for messages
-_KEY_PARTS = ("the arguments' nesting", "the arguments' shapes, dtypes, layouts or values", "grad mode")
-_KEY_PARTS += ("autocast or the default dtype", "a module's training flag", "which parameters require grad")
-_KEY_PARTS += ("which gradients are None", "the optimizer's hyperparameters", "the ranks' arguments")
-
-
-def _what_changed(key: tuple, programs: OrderedDict) -> str:
+def _what_changed(key: StepKey, programs: OrderedDict) -> str:
     """What differs between ``key``, for which this rank traces, and the program it ran last, in words."""
     if key in programs:
         return "the forms of the tensors holding the state (parameters, gradients, buffers, optimizer state) changed"
     if not programs:
         return "no program is held: reset() was called"
-    changed = _differences(key, next(reversed(programs)))
+    changed = key.differences(next(reversed(programs)))
     if changed is None:
         return "the program for this key was dropped: reset() was called, or the step met more keys than it keeps"
     return changed + " changed"
-
-
-def _differences(key: tuple, other: tuple) -> str | None:
-    """The parts in which two keys of programs differ, in words (None: in none)."""
-    return " and ".join(part for part, a, b in zip(_KEY_PARTS, key, other) if a != b) or None
 
 
 def _refuse(why: str | None) -> None:
@@ -551,9 +563,9 @@ def _results(program: _Program, values) -> Any:
     return pytree.tree_unflatten(leaves, program.results)
 
 
-def _write_back(present, state, holders_after, outcome) -> list:
+def _write_back(present, state, holders_after, outcome: _Outcome) -> list:
     """In the traced program, after the step: copy each state value the step replaced into the tensor that held
-    it on entry, where the forms agree; return the values that need a holder of their own. ``outcome["writes"]``
+    it on entry, where the forms agree; return the values that need a holder of their own. ``outcome.writes``
     says whose, and in what form (a metadata, "plain", or None for a value removed); the runtime sets them."""
     entry = {(h.kind, id(h.owner), h.key): (h, v, part) for (h, v), part in zip(present, state)}
     writes, returned, seen = [], [], set()
@@ -573,7 +585,7 @@ def _write_back(present, state, holders_after, outcome) -> list:
         writes.append((holder, now._meta if isinstance(now, GlobalTensor) else "plain"))
         returned.append(_part(now))
     writes += [(h, None) for ident, (h, _, _) in entry.items() if ident not in seen or h.get() is None]
-    outcome["writes"] = writes
+    outcome.writes = writes
     return returned
 
 

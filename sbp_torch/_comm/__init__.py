@@ -35,4 +35,10 @@ from ._faults import (
 )
 from ._groups import AxisGroup, axis_group, ensure_groups, forget_groups
 from ._primitives import estimating, local_failure, notify, observing, traced
-from ._step_calls import announce_call, announce_step, programs_run, ranks_running
+from ._step_calls import (
+    announce_call,
+    announce_step,
+    refuse_a_lone_trace,
+    refuse_other_programs,
+    step_arguments,
+)

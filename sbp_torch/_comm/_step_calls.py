@@ -13,13 +13,16 @@ is the same on every rank, and at each call every rank must run the same number 
 Either way the rank that finds it raises at once and closes its process groups, so that the others' collectives
 fail at once too (``_faults.py``). Each post is one write that waits for no one, under one key per step and rank,
 overwritten at each call; a step's name is posted once, when it is made, so that ranks that made their steps in
-different orders raise at their first trace rather than wait for posts under the wrong step."""
+different orders raise at their first trace rather than wait for posts under the wrong step. A step whose program
+was laid out on what the ranks agreed of their parts also exchanges every rank's own arguments at each call
+(``step_arguments``), so that all trace when one rank's change."""
 
 import time
+from collections.abc import Callable
 
 import torch.distributed as dist
 
-from ._compiled import RanksDisagree
+from ._compiled import RanksDisagree, gather_call_facts
 from ._faults import close_world
 
 _PREFIX = "sbp_torch/step_calls"
@@ -86,3 +89,49 @@ def programs_run(step: int, call: int) -> dict[int, int]:
     that call: after this rank's program ran, every rank it ran collectives with."""
     posted = [tuple(map(int, post.split())) for post in _store().multi_get(_keys(step))]
     return {r: program for r, (made, program) in enumerate(posted) if made == call}
+
+
+def step_arguments(name: str, mine: tuple) -> tuple:
+    """Every rank's ``mine`` (the arguments of its call of the step ``name`` that may differ between ranks), in rank
+    order; ``RanksDisagree`` on every rank where the ranks called different steps at once."""
+    gathered = gather_call_facts("a compile_step call", (name, mine))
+    if len({called for called, _ in gathered}) > 1:
+        steps = ", ".join(f"rank {r}: {called}" for r, (called, _) in enumerate(gathered))
+        raise RanksDisagree(f"compile_step: the ranks called different steps at once ({steps})")
+    return tuple(theirs for _, theirs in gathered)
+
+
+def refuse_a_lone_trace(step: int, call: int, name: str, changed: Callable[[], str]) -> None:
+    """Raise on this rank, its world closed, where it would trace a program of ``step`` (``name``) at call #``call``
+    while other ranks run one they hold: each would wait for the other until a timeout. ``changed()`` says what
+    changed on this rank, in words."""
+    running = ranks_running(step, call, f"compile_step, {name}")
+    if running:
+        _raise(
+            RanksDisagree(
+                f"compile_step, {name}: this rank traces a new program at call #{call} while rank(s) {running} run "
+                f"one they traced before. On this rank {changed()}. What a program is traced for must change on "
+                "every rank alike (docs/compile.md)"
+            )
+        )
+
+
+def refuse_other_programs(step: int, call: int, name: str, mine: int, how: Callable[[int], str]) -> None:
+    """Raise on this rank, its world closed, where the ranks it ran call #``call`` of ``step`` with ran other programs
+    than its own number ``mine`` (their collectives paired with others: wrong values, or a wait); ``how(number)``
+    says how their program differs. Asked by a rank that switched to another held program (ranks tracing at a call
+    trace together): a rank that switches alone finds the others on their old program, and closing its world makes
+    them raise at their next collective with it, so the ranks that did not switch need not ask, and a step that
+    runs one program after another asks nothing."""
+    others = {r: n for r, n in programs_run(step, call).items() if n != mine}
+    if not others:
+        return
+    number = next(iter(others.values()))
+    differs = "traced a new program there" if number == 0 else how(number)
+    _raise(
+        RanksDisagree(
+            f"compile_step, {name}: at call #{call} rank(s) {sorted(others)} ran another program than this rank's "
+            f"(#{number} there, #{mine} here): {differs}. What a program is traced for must change on every rank "
+            "alike (docs/compile.md)"
+        )
+    )
