@@ -798,14 +798,14 @@ class Routed(nn.Module):
         return (self.route(self.lin(x)) + 0.5).pow(2).mean()
 
 
-def _routed_training(route, calls: int):
-    """``calls`` SGD steps of ``Routed(route)`` through ``compile_step`` on 2 ranks, each batch another routing:
-    the relative error of each loss from one process's, or the refusal's message."""
+def _routed_training(route, calls: int, backend=None):
+    """``calls`` SGD steps of ``Routed(route)`` through ``compile_step`` (``backend``) on 2 ranks, each batch another
+    routing: the relative error of each loss from one process's, or the refusal's message."""
     torch.manual_seed(0)
     reference = Routed(route)
     model = copy.deepcopy(reference).to_global(st.placement("cpu", [0, 1]), B)
     ref_opt, optimizer = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, model))
-    step = _global_step(model, optimizer, model.lin.weight.placement, S(0), None)
+    step = _global_step(model, optimizer, model.lin.weight.placement, S(0), backend)
     errors = []
     for x in _batches(calls, 7, 4, seed=3):
         want = reference(x)
@@ -827,7 +827,8 @@ def _all_computed(h):
 
 
 def _every_read():
-    computed = _routed_training(_all_computed, 4)  # (one program: a wrong route gives a wrong loss)
+    # one program each (a wrong route gives a wrong loss); Inductor compiles the routing's data-dependent sizes
+    computed = [_routed_training(_all_computed, 4, backend) for backend in (None, "inductor")]
     refused = {name: _routed_training(route, 2) for name, (route, _, _) in REFUSED.items()}
     # a forward that raised while traced skips the hook that leaves its module's global mode: none may stay behind
     assert torch._C._len_torch_function_stack() == 0, torch.overrides._get_current_function_mode_stack()
@@ -844,7 +845,8 @@ def _reading_line(function) -> str:
 def test_values_of_the_data_are_computed_in_the_program_or_refused():
     (computed, refused), other = run_on_world(2, _every_read, _timeout=300)
     assert (computed, refused) == other  # every rank alike
-    assert isinstance(computed, list) and max(computed) < 1e-5, computed
+    for errors in computed:
+        assert isinstance(errors, list) and max(errors) < 1e-5, computed
     for name, message in refused.items():
         _, why, reader = REFUSED[name]
         assert isinstance(message, str) and why in message, (name, message)

@@ -250,10 +250,11 @@ ONE_RANK = {
     "DP": moe.Layout("DP", [0], (broadcast,), (split(0),)),
     "EP": moe.Layout("EP", [0], (split(0),), (split(0),)),
 }
-# (model, layout, backend, ranks): each layout's program kind once, Inductor's handling of the routing's sizes once.
+# (model, layout, backend, ranks): each layout's program kind once (Inductor's compile of a model this size takes a
+# minute on CI's two cores: test_compile_step compiles data-dependent routing with it on a small program).
 # MOE_COMPILE_MATRIX=1 runs every model in every layout with both backends, on 4 ranks and on 1.
 COMPILED_CASES = [
-    ("mixtral", "EP", "inductor", 4),
+    ("mixtral", "EP", None, 4),
     ("qwen3_moe", "DP x EP", None, 4),
     ("deepseek_v3", "DP", None, 4),
     ("mixtral", "sharded DP x EP", None, 4),
