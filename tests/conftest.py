@@ -24,6 +24,11 @@ import world
 # ranks per core that pool only adds processes to wait for (a small compiled program took 2.5x as long on 2 cores).
 # Set before any world starts, so every rank inherits it; a value the caller set stays.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# Inductor's CPU kernels compiled without SIMD code: a C++ compile of a scalar loop is faster (a 2x2 test of a small
+# program compiled from a cold cache: 45 s, 33 s without), and a fresh CI machine compiles every kernel of the suite.
+# What the tests check, how global programs are traced, lowered and compare with one process, is the same either way;
+# TORCHINDUCTOR_VEC_ISA_OK=1 runs them with SIMD kernels.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 
 settings.register_profile(
     "ci", deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True, print_blob=True
