@@ -143,14 +143,30 @@ def f(x):
 _ASKS_IF_FAKE = {"is_fake", "FakeTensor", "maybe_get_fake_mode", "is_fake_tensor"}
 
 
-def test_no_code_asks_whether_its_tensors_are_fake():
-    asking = []
+# Names that read another function's local variables: renaming a local or moving a file would change what such
+# code sees, silently (explain once named causes so). Code that knows a fact hands it on: a context variable, an
+# argument (``_comm.caused_by`` names a collective's cause).
+_READS_LOCALS = {"f_locals", "getouterframes", "currentframe"}
+
+
+def _names_used(names: set) -> list[str]:
+    used = []
     for path in sorted(PACKAGE.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
-            if name in _ASKS_IF_FAKE:
-                asking.append(f"{path.relative_to(ROOT)}:{node.lineno} {name}")
+            if name in names:
+                used.append(f"{path.relative_to(ROOT)}:{node.lineno} {name}")
+    return used
+
+
+def test_no_code_asks_whether_its_tensors_are_fake():
+    asking = _names_used(_ASKS_IF_FAKE)
     assert not asking, "\n".join(asking)
+
+
+def test_no_code_reads_the_locals_of_other_frames():
+    reading = _names_used(_READS_LOCALS)
+    assert not reading, "\n".join(reading)
 
 
 @pytest.mark.parametrize("command", [["check"], ["format", "--check"]], ids=["lint", "format"])

@@ -67,6 +67,7 @@ class ExpertsRegion:
     def __init__(self, module: nn.Module, kind: ExpertsKind):
         self.module, self.kind, self.original = module, kind, module.forward
 
+    @comm.naming_cause(lambda *_: _cause("exchange"))
     def __call__(self, hidden, top_k_index, top_k_weights):
         slots = global_slots(self.module)
         if not isinstance(hidden, GlobalTensor) or not slots:
@@ -124,8 +125,8 @@ class ExpertsRegion:
             rows = order[:sent]
             out = self._experts(hidden[rows // k], expert[rows] - start[rows], held.count)
             return _combined(out, rows, k, top_k_weights, hidden)
-        label = _COUNTS  # noqa: F841  (read by explain)
-        received = comm.all_to_all(counts, 0, 0, [1] * group.size, [1] * group.size, group)
+        with comm.caused_by(_cause(_COUNTS)):
+            received = comm.all_to_all(counts, 0, 0, [1] * group.size, [1] * group.size, group)
         # The one read of the routing. Traced, the counts are symbols of the program (sizes known when it runs).
         send, recv = torch.stack([counts.sum(1), received.sum(1)]).tolist()
         rows = order[: sum(send)]
@@ -223,8 +224,12 @@ def _held(meta: GlobalMeta, exchange: int | None) -> _Held:
     return _Held(tuple(owners), tuple(starts), mine, max(sizes), len(members), everything)
 
 
-# What each exchange carries; ``explain`` names a collective's cause by the ``label`` of the frame that issued it.
+# What each exchange carries, named as its cause (``explain``)
 _COUNTS, _DISPATCH, _COMBINE = "per-expert counts", "token rows to their experts' ranks", "expert outputs back"
+
+
+def _cause(label: str) -> str:
+    return f"expert parallelism: {label}"
 
 
 class _Exchange(torch.autograd.Function):
@@ -234,19 +239,21 @@ class _Exchange(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows: torch.Tensor, send: list[int], recv: list[int], group, label: str):
         ctx.send, ctx.recv, ctx.group, ctx.label = send, recv, group, label
-        return comm.all_to_all(rows.contiguous(), 0, 0, send, recv, group)
+        with comm.caused_by(_cause(label)):
+            return comm.all_to_all(rows.contiguous(), 0, 0, send, recv, group)
 
     @staticmethod
     def backward(ctx, grad):
-        label = f"gradient of the {ctx.label}"  # noqa: F841  (read by explain)
-        return _Exchange.apply(grad, ctx.recv, ctx.send, ctx.group, label), None, None, None, None
+        back = _Exchange.apply(grad, ctx.recv, ctx.send, ctx.group, f"gradient of the {ctx.label}")
+        return back, None, None, None, None
 
 
 def _note_exchanges(group, held: _Held) -> None:
-    label = _COUNTS
-    comm.notify("all-to-all", group, lambda: held.slots * 8)
-    for label in (_DISPATCH, _COMBINE):  # noqa: B007  (read by explain)
-        comm.notify("all-to-all", group, lambda: None)  # as many rows as the routing sends
+    with comm.caused_by(_cause(_COUNTS)):
+        comm.notify("all-to-all", group, lambda: held.slots * 8)
+    for label in (_DISPATCH, _COMBINE):
+        with comm.caused_by(_cause(label)):
+            comm.notify("all-to-all", group, lambda: None)  # as many rows as the routing sends
 
 
 class _NotedInBackward(torch.autograd.Function):
@@ -259,6 +266,7 @@ class _NotedInBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        for label in (f"gradient of the {_COMBINE}", f"gradient of the {_DISPATCH}"):  # noqa: B007  (read by explain)
-            comm.notify("all-to-all", ctx.group, lambda: None)
+        for label in (f"gradient of the {_COMBINE}", f"gradient of the {_DISPATCH}"):
+            with comm.caused_by(_cause(label)):
+                comm.notify("all-to-all", ctx.group, lambda: None)
         return grad, None

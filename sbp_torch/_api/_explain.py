@@ -2,11 +2,10 @@
 
 The step runs once on fake local parts (``FakeTensorMode``: shapes and dtypes, no values), with every
 collective issued as the functional op a compiled program would hold, so nothing is sent. Each collective is
-reported with the op and signature, or the conversion, that needed it: the nearest of the frames in
-``CAUSES`` on the stack when it was issued."""
+reported with the op and signature, or the conversion, that needed it: the innermost cause named by the code
+that issued it (``_comm.caused_by``, ``_comm.naming_cause``)."""
 
 import collections
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -49,44 +48,12 @@ class Explanation(list):
         return "\n".join(lines)
 
 
-def _signature(decision) -> str:
-    inputs = ", ".join("".join(map(repr, sbp)) for sbp in decision.input_sbps)
-    outputs = ", ".join("".join(map(repr, meta.sbp)) for meta in decision.outputs)
-    return f"({inputs}) -> ({outputs})"
-
-
-# (file under sbp_torch/, function, the cause from the frame's locals): the first of these frames found going
-# up the stack from the collective names its cause.
-CAUSES = [
-    ("_dispatch/_call_plan.py", "_run", lambda f: f"{f['func']} as {_signature(f['plan'].decision)}"),
-    ("_dispatch/_fallback.py", "run_fallback", lambda f: f"{f['func']} on gathered inputs ({f['why']})"),
-    ("_api/_gradient_reducer.py", None, lambda f: "gradient reduction (Module.to_global)"),
-    ("_api/_experts.py", None, lambda f: f"expert parallelism: {f.get('label', 'exchange')}"),
-    ("_tensor/_conversions.py", "forward", lambda f: "to_global to another layout"),
-    ("_tensor/_conversions.py", "backward", lambda f: "gradient of to_global"),
-    ("_api/_to_global.py", None, lambda f: "to_global of local parts"),
-    ("_tensor/_global_tensor.py", None, lambda f: "full_tensor / to_local"),
-    ("_dispatch/_dispatcher.py", "dispatch", lambda f: str(f["func"])),
-]
-
-
-def _cause() -> str:
-    frame = sys._getframe(2)
-    while frame is not None:
-        path, name = frame.f_code.co_filename.replace("\\", "/"), frame.f_code.co_name
-        for file, function, describe in CAUSES:
-            if path.endswith("sbp_torch/" + file) and function in (None, name):
-                return describe(frame.f_locals)
-        frame = frame.f_back
-    return "boxing"
-
-
 def recorder(found: list, phase: dict):
     """The ``comm.observing`` callback that appends each collective to ``found`` as a ``Collective``, marked as
     backward while ``phase["backward"]``."""
 
     def note(kind, group, nbytes):
-        found.append(Collective(kind, tuple(group.ranks), nbytes, _cause(), phase["backward"]))
+        found.append(Collective(kind, tuple(group.ranks), nbytes, comm.cause(), phase["backward"]))
 
     return note
 

@@ -47,6 +47,7 @@ class GradientReducer:
             mark_reduced_at_use(param)
         _bucket_compiled_reductions()
 
+    @comm.naming_cause(lambda *_: _REDUCTION)
     def _on_accumulated(self, param: nn.Parameter) -> None:
         grad = param.grad
         target = gradient_sbp(param._meta.sbp)
@@ -92,6 +93,7 @@ class GradientReducer:
         self.in_flight.clear()
         self.flush_queued = False
 
+    @comm.naming_cause(lambda *_: _REDUCTION)
     def _start(self, key) -> None:
         """Start bucket ``key``: its first all-reduce (later axes run when it finishes), or its reduce-scatter."""
         bucket = self.buckets.pop(key, None)
@@ -109,6 +111,7 @@ class GradientReducer:
             finish = comm.start_all_reduce(flat, src.op, comm.axis_group(placement, axis))
         self.in_flight.append((key, params, flat, finish))
 
+    @comm.naming_cause(lambda *_: _REDUCTION)
     def _finish_all(self) -> None:
         self.flush_queued = False
         for key in list(self.buckets):  # insertion order: the same on every rank
@@ -157,6 +160,10 @@ def _bucket_compiled_reductions() -> None:
             setattr(inductor, option, "all")
 
 
+_REDUCTION = "gradient reduction (Module.to_global)"
+
+
+@comm.naming_cause(lambda *_: _REDUCTION)
 def _reduce_scatter_bucket(params: list, placement, axis: int, src) -> None:
     """One reduce-scatter on ``axis`` for the partial gradients of ``params``, each cut along its target's split
     dim into the axis' parts (uneven ones included); this rank keeps its reduced part of each."""

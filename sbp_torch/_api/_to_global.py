@@ -15,9 +15,12 @@ from .._comm import compiling
 from .._layout import Broadcast, GlobalMeta, Placement, SbpType, Split, broadcast, normalize_sbp
 from .._tensor import GlobalTensor, from_whole, full_tensor, gradient, has_extreme, to_placement, to_sbp
 
+_FROM_PARTS = "to_global of local parts"
+
 
 class _FromLocal(torch.autograd.Function):
     @staticmethod
+    @comm.naming_cause(lambda *_: _FROM_PARTS)
     def forward(ctx, local: torch.Tensor, meta: GlobalMeta, shapes: dict | None, sync_data: bool = True):
         ctx.meta, ctx.shapes = meta, shapes
         ctx.input_shape, ctx.input_dtype = local.shape, local.dtype
@@ -30,6 +33,7 @@ class _FromLocal(torch.autograd.Function):
         return GlobalTensor(part, meta)
 
     @staticmethod
+    @comm.naming_cause(lambda *_: _FROM_PARTS)
     def backward(ctx, grad):
         if ctx.shapes is None:
             return full_tensor(grad), None, None, None
@@ -175,6 +179,7 @@ def from_replica(value: torch.Tensor, placement: Placement, sbp) -> GlobalTensor
     return _FromLocal.apply(value, GlobalMeta(tuple(value.shape), value.dtype, placement, sbp), None)
 
 
+@comm.naming_cause(lambda *_, **__: _FROM_PARTS)
 def to_global(
     x: torch.Tensor,
     placement: Placement | None = None,

@@ -34,7 +34,8 @@ from ._faults import (
     posted_failures,
 )
 from ._groups import AxisGroup, axis_group, ensure_groups, forget_groups
-from ._primitives import estimating, local_failure, notify, observing, traced
+from ._observer import UNNAMED, cause, caused_by, estimating, naming_cause, notify, observed, observing
+from ._primitives import local_failure, traced
 from ._step_calls import (
     announce_call,
     announce_step,

@@ -9,9 +9,6 @@ loses its wait and its result is read before it arrives. Each traced collective 
 the ranks' compiled programs agree (``_compiled.py``). The inputs are already on the wire (``_collectives``
 picks dtypes every backend carries) and contiguous."""
 
-import contextlib
-import contextvars
-
 import torch
 import torch.distributed as dist
 
@@ -20,6 +17,7 @@ from . import _faults
 from ._compiled import compiling, record
 from ._faults import CollectiveError
 from ._groups import AxisGroup
+from ._observer import estimating, notify
 
 _functional = torch.ops._c10d_functional
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -27,40 +25,6 @@ _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.R
 # torch 2.13 renamed all_gather_into_tensor; keep working on 2.11.
 _all_gather_even = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_even = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-# Who is told of each collective this context issues: None, or (callback, whether the context only estimates).
-# ``sbp_torch.explain`` and the planner estimate: they run a step on fake or meta parts to see what it would do.
-_OBSERVER: contextvars.ContextVar = contextvars.ContextVar("sbp_torch_collective_observer", default=None)
-
-
-@contextlib.contextmanager
-def observing(callback, estimate: bool = False):
-    """Within the block, call ``callback(kind, group, bytes this rank puts in)`` before each collective this context
-    issues. ``estimate``: the block runs a step only to see what it would do, on fake or meta parts, and throws its
-    results away (``estimating()``); its collectives are the functional ops a traced program holds, which move
-    nothing there."""
-    token = _OBSERVER.set((callback, estimate))
-    try:
-        yield
-    finally:
-        _OBSERVER.reset(token)
-
-
-def estimating() -> bool:
-    """Whether the running code only estimates a step (``observing(..., estimate=True)``: ``explain``, the
-    planner), whose results nobody keeps. Only there may code that needs values it does not have (routing counts)
-    stand in for them. A step traced into a program also runs on fake parts, but its results are the program:
-    there, code must take the path that computes, and whether a part is fake tells nothing."""
-    observer = _OBSERVER.get()
-    return observer is not None and observer[1]
-
-
-def notify(kind: str, group: AxisGroup, nbytes) -> None:
-    """Tell the observer, if any, of the collective ``kind`` into which this rank puts ``nbytes()`` bytes."""
-    observer = _OBSERVER.get()
-    if observer is not None:
-        observer[0](kind, group, nbytes())
 
 
 def traced() -> bool:

@@ -129,6 +129,14 @@ def _context(plan: CallPlan, func, local_args, local_kwargs) -> LocalContext:
     )
 
 
+def signature_text(decision: Decision) -> str:
+    """``decision``'s signature as ``explain`` shows it: ``(input SBPs, ...) -> (output SBPs, ...)``."""
+    inputs = ", ".join("".join(map(repr, sbp)) for sbp in decision.input_sbps)
+    outputs = ", ".join("".join(map(repr, meta.sbp)) for meta in decision.outputs)
+    return f"({inputs}) -> ({outputs})"
+
+
+@comm.naming_cause(lambda plan, func, *_: f"{func} as {signature_text(plan.decision)}")
 def _run(plan: CallPlan, func, args, kwargs):
     """Box, run the op (or the signature's local function) on the local parts, wrap the results."""
     decision = plan.decision

@@ -16,6 +16,7 @@ import contextvars
 import torch
 from torch.utils._pytree import tree_map
 
+from .. import _comm as comm
 from .._layout import GlobalMeta, broadcast
 from .._tensor import GlobalTensor, wrap_fresh
 from ._bound import BoundCall, call_key
@@ -45,6 +46,7 @@ def torch_dispatch(cls, func, types, args=(), kwargs=None):
     return dispatch(func, args, kwargs or {})
 
 
+@comm.naming_cause(lambda func, *_: str(func))
 def dispatch(func, args, kwargs):
     """Run the aten op ``func`` on arguments that hold global tensors."""
     if _RECORDER.get() is not None:

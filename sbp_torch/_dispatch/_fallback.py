@@ -41,6 +41,7 @@ class Fallback:
         return run_fallback(BoundCall(func, args, kwargs), self.reason)
 
 
+@comm.naming_cause(lambda bound, why: f"{bound.func} on gathered inputs ({why})")
 def run_fallback(bound: BoundCall, why: str):
     """Run the call on broadcast (gathered) inputs (see the module docstring)."""
     func = bound.func
@@ -49,7 +50,8 @@ def run_fallback(bound: BoundCall, why: str):
             raise NotImplementedError(f"sbp_torch strict mode: {func} would run on gathered inputs ({why})")
         if func not in warned_ops:
             warned_ops.add(func)
-            warnings.warn(f"sbp_torch: {func} runs on broadcast (gathered) inputs: {why}", stacklevel=5)
+            # (stacklevel: the user's line, past dispatch's frames and those of two causes' wrappers)
+            warnings.warn(f"sbp_torch: {func} runs on broadcast (gathered) inputs: {why}", stacklevel=7)
     placement = bound.placement
     replicated = (broadcast,) * placement.ndim
     member = placement.local_coord() is not None

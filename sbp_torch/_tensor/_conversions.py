@@ -3,20 +3,25 @@ Backward boxes the gradient back to ``gradient_sbp`` of the input's layout (see 
 
 import torch
 
+from .. import _comm as comm
 from .._boxing import box_local, plan_cross, run_cross
 from .._layout import GlobalMeta, partials_as_broadcast
 from ._global_tensor import GlobalTensor, gradient
 from ._gradient import has_extreme
 
+_CONVERSION, _GRADIENT = "to_global to another layout", "gradient of to_global"
+
 
 class _Box(torch.autograd.Function):
     @staticmethod
+    @comm.naming_cause(lambda *_: _CONVERSION)
     def forward(ctx, src: GlobalTensor, dst_sbp):
         ctx.meta = src._meta
         ctx.saved_local = src._local if has_extreme(src._meta) else None
         return GlobalTensor(box_local(src._local, src._meta, dst_sbp), src._meta.with_sbp(dst_sbp))
 
     @staticmethod
+    @comm.naming_cause(lambda *_: _GRADIENT)
     def backward(ctx, grad):
         return gradient(grad, ctx.meta, ctx.saved_local), None
 
@@ -26,12 +31,14 @@ class _CrossBox(torch.autograd.Function):
     with broadcast on its partial axes, where ``gradient`` keeps tie shares."""
 
     @staticmethod
+    @comm.naming_cause(lambda *_: _CONVERSION)
     def forward(ctx, src: GlobalTensor, dst: GlobalMeta):
         ctx.meta = src._meta
         ctx.saved_local = src._local if has_extreme(src._meta) else None
         return GlobalTensor(run_cross(src._local, plan_cross(src._meta, dst)), dst)
 
     @staticmethod
+    @comm.naming_cause(lambda *_: _GRADIENT)
     def backward(ctx, grad):
         if not isinstance(grad, GlobalTensor):
             raise TypeError(f"expected a global gradient for a global tensor, got a plain {type(grad).__name__}")

@@ -16,7 +16,7 @@ except ImportError:
     _frames = None
 
 from .._boxing import box_local
-from .._comm import note_placement
+from .._comm import naming_cause, note_placement
 from .._layout import GlobalMeta, broadcast, normalize_sbp
 from ._gradient import gradient_part, gradient_sbp, has_extreme
 
@@ -130,6 +130,7 @@ class GlobalTensor(torch.Tensor):
             return self
         return GlobalTensor(self._local.contiguous(), self._meta.with_sbp(target))
 
+    @naming_cause(lambda *_, **__: _READ)
     def __coerce_same_metadata_as_tangent__(self, expected_context: tuple, expected_type=None):
         # A gradient that reaches a compiled backward in another layout than the traced one is boxed to it.
         expected = expected_context[0]
@@ -243,14 +244,19 @@ class _ToLocal(torch.autograd.Function):
         return GlobalTensor(grad, ctx.meta), None
 
 
+_READ = "full_tensor / to_local"
+
+
 class _FullTensor(torch.autograd.Function):
     @staticmethod
+    @naming_cause(lambda *_: _READ)
     def forward(ctx, g: GlobalTensor):
         ctx.meta = g._meta
         ctx.saved_local = g._local if has_extreme(g._meta) else None
         return box_local(g._local, g._meta, (broadcast,) * g._meta.placement.ndim)
 
     @staticmethod
+    @naming_cause(lambda *_: _READ)
     def backward(ctx, grad):
         # Every rank is taken to hold the same gradient of the logical tensor (they ran the same program).
         replicated = ctx.meta.with_sbp((broadcast,) * ctx.meta.placement.ndim)
