@@ -46,9 +46,15 @@ def torch_dispatch(cls, func, types, args=(), kwargs=None):
     return dispatch(func, args, kwargs or {})
 
 
-@comm.naming_cause(lambda func, *_: str(func))
 def dispatch(func, args, kwargs):
     """Run the aten op ``func`` on arguments that hold global tensors."""
+    if comm.observed():  # (inline, not naming_cause: the C hit path has Dynamo skip this function's own code)
+        with comm.caused_by(lambda: str(func)):
+            return _dispatch(func, args, kwargs)
+    return _dispatch(func, args, kwargs)
+
+
+def _dispatch(func, args, kwargs):
     if _RECORDER.get() is not None:
         return _recorded(func, args, kwargs)
     if func is _DETACH:  # every gradient accumulated into .grad is detached: the layout cannot change
