@@ -9,6 +9,7 @@ what plain torch gives on the logical tensors, which the driver computes from th
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 
 import pytest
@@ -596,3 +597,21 @@ def earlier_calls_body():
 
 def test_calls_that_an_earlier_call_must_not_answer():
     run_on_world(2, earlier_calls_body)
+
+
+def _fallback_warning():
+    from sbp_torch._dispatch._fallback import warned_ops
+
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(0)).to_global(st.placement("cpu", [0, 1]), split(0))
+    warned_ops.discard(torch.ops.aten.linalg_qr.default)  # (once per op and process: a worker may have warned)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.linalg.qr(x)
+    return [(os.path.basename(w.filename), str(w.message)) for w in caught]
+
+
+@pytest.mark.gloo
+def test_a_fallback_warns_at_the_users_line():
+    for caught in run_on_world(2, _fallback_warning):
+        assert len(caught) == 1 and "runs on broadcast (gathered) inputs" in caught[0][1], caught
+        assert caught[0][0] == "test_dispatch.py", caught  # not a file of sbp_torch or torch

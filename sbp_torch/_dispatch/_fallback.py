@@ -2,6 +2,8 @@
 the op run on full values, broadcast outputs; tensors the op writes into get the result boxed back into their own
 layout. It warns once per op, or raises in strict mode (``_modes.py``), except for ``VALUE_OPS``."""
 
+import os
+import sys
 import warnings
 from dataclasses import dataclass
 
@@ -41,6 +43,19 @@ class Fallback:
         return run_fallback(BoundCall(func, args, kwargs), self.reason)
 
 
+_OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
+def _user_level() -> int:
+    """The ``stacklevel`` of a warning that names the user's line: the first caller outside sbp_torch and torch
+    (the frames between differ by path: the C hit path, torch function, autograd)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith((_OWN_DIR, _TORCH_DIR)):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 @comm.naming_cause(lambda bound, why: f"{bound.func} on gathered inputs ({why})")
 def run_fallback(bound: BoundCall, why: str):
     """Run the call on broadcast (gathered) inputs (see the module docstring)."""
@@ -50,8 +65,7 @@ def run_fallback(bound: BoundCall, why: str):
             raise NotImplementedError(f"sbp_torch strict mode: {func} would run on gathered inputs ({why})")
         if func not in warned_ops:
             warned_ops.add(func)
-            # (stacklevel: the user's line, past dispatch's frames and those of two causes' wrappers)
-            warnings.warn(f"sbp_torch: {func} runs on broadcast (gathered) inputs: {why}", stacklevel=7)
+            warnings.warn(f"sbp_torch: {func} runs on broadcast (gathered) inputs: {why}", stacklevel=_user_level())
     placement = bound.placement
     replicated = (broadcast,) * placement.ndim
     member = placement.local_coord() is not None
