@@ -35,6 +35,7 @@ def main() -> None:
     dist.init_process_group("gloo", rank=0, world_size=1)
     import sbp_torch as st
     from sbp_torch._dispatch import NATIVE
+    from sbp_torch._frontend import python_handlers
 
     torch.set_num_threads(1)
     gpt = harness.load_gpt_example()
@@ -59,7 +60,7 @@ def main() -> None:
     assert harness.relative_difference([got], [want]) < 1e-5, (got, want)
 
     def global_step_with_python_handlers():
-        with harness.python_handlers():
+        with python_handlers():
             gpt.train_step(laid_out, global_opt, *batch, layout)
 
     timed = harness.timed_interleaved(

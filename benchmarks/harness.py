@@ -24,7 +24,6 @@ layout token), training steps that may fail (``Guarded``, ``train_in_turns``) an
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import os
 import platform
@@ -320,24 +319,3 @@ def peak_memory(prof) -> dict:
         if node.start_time_ns >= start:
             peak = max(peak, held)
     return {"at_step_start": held if at_start is None else at_start, "peak": max(peak, held), "at_step_end": held}
-
-
-@contextlib.contextmanager
-def python_handlers():
-    """Within it, global tensors take sbp_torch's Python handlers instead of its C hit paths (``csrc/hit_paths.c``),
-    for timing one against the other in the same process."""
-    from sbp_torch._dispatch import _dispatcher
-    from sbp_torch._frontend import _torch_function
-    from sbp_torch._tensor import GlobalTensor
-
-    native = (
-        GlobalTensor.__dict__["__torch_dispatch__"],
-        _torch_function._EAGER,
-        _torch_function._LOCAL_OR_BELOW_AUTOGRAD,
-    )
-    GlobalTensor.__torch_dispatch__ = classmethod(_dispatcher.torch_dispatch)
-    _torch_function._EAGER, _torch_function._LOCAL_OR_BELOW_AUTOGRAD = None, _torch_function._local_or_below_autograd
-    try:
-        yield
-    finally:
-        GlobalTensor.__torch_dispatch__, _torch_function._EAGER, _torch_function._LOCAL_OR_BELOW_AUTOGRAD = native

@@ -68,6 +68,7 @@ def _grad_parts(x: torch.Tensor, h) -> list[list[str]]:
     from torch.distributed.tensor import DTensor, Shard
 
     from sbp_torch._dispatch import _native
+    from sbp_torch._frontend import python_handlers
 
     cls, off = type(h), torch._C._disabled_torch_function_impl
     plain = x.detach().requires_grad_()
@@ -85,7 +86,7 @@ def _grad_parts(x: torch.Tensor, h) -> list[list[str]]:
         ["sbp_torch, a `__torch_function__` that only calls below autograd", f"{_per_call_us(rows[2][1]):.1f}"]
     )
     cls.__torch_function__ = ours
-    with harness.python_handlers():
+    with python_handlers():
         timed.append(["sbp_torch, the Python handlers", f"{_per_call_us(rows[2][1]):.1f}"])
     timed.append(["(the C hit paths in use)", "yes" if _native.NATIVE else "no"])
     return timed

@@ -502,8 +502,7 @@ def test_an_op_with_a_sparse_result_raises_instead_of_wrapping_it():
 def native_hit_body():
     import sys
 
-    from sbp_torch._dispatch import CALLS, NATIVE, _dispatcher, _native
-    from sbp_torch._tensor import GlobalTensor
+    from sbp_torch._dispatch import CALLS, NATIVE, _dispatcher, python_dispatch
 
     p = st.placement("cpu", [0, 1])
     gen = torch.Generator().manual_seed(5)
@@ -522,17 +521,16 @@ def native_hit_body():
         lambda x, w: torch.cat([x, x * w], dim=1),  # a list argument: the op runs on the parts as they are
         lambda x, w: F.layer_norm(x, (4,), w, w),  # three outputs (native_layer_norm)
     ]
-    handlers = {"python": _dispatcher.torch_dispatch, "c": _native.torch_dispatch}
+    handlers = {"python": python_dispatch, "c": contextlib.nullcontext}
     results, counts, entered = {}, {}, {}
     for name, handler in handlers.items():
-        GlobalTensor.__torch_dispatch__ = classmethod(handler)
         calls = []
 
         def profiler(frame, event, arg):
             if event == "call" and frame.f_code is _dispatcher.dispatch.__code__:
                 calls.append(None)
 
-        try:
+        with handler():
             st.cache_clear()  # (the learnt local calls too: a call learnt by one handler would skip the other)
             x.copy_(torch.randn(5, 4, generator=torch.Generator().manual_seed(6)).to_global(p, broadcast))
             results[name] = [[fn(x, w).full_tensor().detach() for _ in range(3)] for fn in cases]  # a miss, hits
@@ -543,9 +541,6 @@ def native_hit_body():
             F.layer_norm(x, (4,), w, w)  # a hit of a plan that runs as it is, with three outputs
             sys.setprofile(None)
             entered[name] = len(calls)
-        finally:
-            sys.setprofile(None)
-            GlobalTensor.__torch_dispatch__ = classmethod(_native.torch_dispatch)
     x, w = torch.randn(5, 4, generator=torch.Generator().manual_seed(6)), w.full_tensor().detach().requires_grad_()
     results["plain"] = [[fn(x, w).detach().clone() for _ in range(3)] for fn in cases]  # (the same, plain)
     return NATIVE, results, counts, entered
@@ -569,17 +564,15 @@ def earlier_calls_body():
     """Calls that an earlier call's cache entry or learnt shortcut must not answer, under both dispatch handlers:
     numbers equal in value but not in type (``1``, ``1.0``, ``True``, ``1+0j``: their results' dtypes differ), and a
     plain index once indexing has been learnt to give views."""
-    from sbp_torch._dispatch import _dispatcher, _native
-    from sbp_torch._tensor import GlobalTensor
+    from sbp_torch._dispatch import python_dispatch
 
     p = st.placement("cpu", [0, 1])
     ints = torch.arange(5).to_global(p, broadcast).to_global(sbp=split(0))
     bools = (torch.arange(5) % 2 == 0).to_global(p, broadcast)
     pairs = [("x + 1", "x + 1.0"), ("x * 1", "x * 1.0"), ("x.clamp(min=0)", "x.clamp(min=0.0)")]
     pairs += [("b + True", "b + 1"), ("x + 1", "x + (1+0j)")]
-    for handler in (_dispatcher.torch_dispatch, _native.torch_dispatch):
-        GlobalTensor.__torch_dispatch__ = classmethod(handler)
-        try:
+    for handler in (python_dispatch, contextlib.nullcontext):
+        with handler():
             for first, second in pairs:
                 st.cache_clear()
                 for expression in (first, first, second, second):  # (each a miss, a hit or a learnt local call)
@@ -587,8 +580,6 @@ def earlier_calls_body():
                     want = eval(expression, {"x": ints.full_tensor(), "b": bools.full_tensor()})
                     assert got.dtype == got.to_local().dtype == want.dtype, (first, expression, got.dtype)
                     torch.testing.assert_close(got.full_tensor(), want, rtol=0, atol=0)
-        finally:
-            GlobalTensor.__torch_dispatch__ = classmethod(_native.torch_dispatch)
     x = torch.arange(4.0).to_global(p, broadcast)
     x[0], x[0]  # (a view, seen twice: indexing is learnt to take the dispatch path)
     with pytest.raises(st.MixedTensorError):

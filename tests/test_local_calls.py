@@ -7,6 +7,9 @@ that touch the wrapper itself, was not) taken, so that a test of the fast path c
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -322,7 +325,7 @@ def _plainly(result):
 def native_local_body():
     import sys
 
-    from sbp_torch._frontend import _torch_function
+    from sbp_torch._frontend import _torch_function, python_handlers
 
     p = st.placement("cpu", [0, 1])
     gen = torch.Generator().manual_seed(7)
@@ -340,18 +343,16 @@ def native_local_body():
         lambda: (x * w).sum(),  # autograd records it: below autograd
         lambda: x.transpose(0, 1),  # a view: never a local call
     ]
-    python = (_torch_function._local_or_below_autograd, None)
-    native = (_torch_function._LOCAL_OR_BELOW_AUTOGRAD, _torch_function._EAGER)
+    python = functools.partial(python_handlers, dispatch=False)
     results, counts, versions, entered = {}, {}, {}, {}
-    for name, handlers in (("python", python), ("c", native)):
-        _torch_function._LOCAL_OR_BELOW_AUTOGRAD, _torch_function._EAGER = handlers
+    for name, handlers in (("python", python), ("c", contextlib.nullcontext)):
         calls = []
 
         def profiler(frame, event, arg):
             if event == "call" and frame.f_code is _local_calls.call.__code__:
                 calls.append(None)
 
-        try:
+        with handlers():
             st.cache_clear()
             _local_calls.DISPATCH_ONLY.clear()
             with torch.no_grad():
@@ -371,9 +372,6 @@ def native_local_body():
             x + y  # a learnt local call
             sys.setprofile(None)
             entered[name] = len(calls)
-        finally:
-            sys.setprofile(None)
-            _torch_function._LOCAL_OR_BELOW_AUTOGRAD, _torch_function._EAGER = native
     return _torch_function._EAGER is not None, results, counts, versions, entered
 
 

@@ -5,4 +5,4 @@ from ._bound import BoundCall, at, by_name, find_tensors, substitute
 from ._cache import CacheInfo, LruCache
 from ._dispatcher import CALLS, MixedTensorError, WriteIntoCopy, dispatch, recording
 from ._modes import IMPLICIT_BROADCAST, implicit_broadcast, set_strict, strict
-from ._native import NATIVE, PYTHON_CALLEES, native_local_calls, torch_dispatch
+from ._native import NATIVE, PYTHON_CALLEES, native_local_calls, python_dispatch, torch_dispatch

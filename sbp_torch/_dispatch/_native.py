@@ -3,6 +3,7 @@ where it is built, else the Python ``torch_dispatch``. The C handler runs a cach
 with no Python frame and hands every other call to ``dispatch``, which keys and looks it up again; it reads the same
 call cache, so both answer every call alike. ``SBP_TORCH_NATIVE_HIT=0`` keeps the Python handler."""
 
+import contextlib
 import os
 
 import torch
@@ -46,6 +47,20 @@ if NATIVE:
     torch_dispatch = native_torch_dispatch
 else:
     torch_dispatch = python_torch_dispatch
+
+
+@contextlib.contextmanager
+def python_dispatch():
+    """Within the block, global tensors take the Python ``__torch_dispatch__`` instead of the C hit path (for
+    comparing or timing one against the other in one process); ``_frontend.python_handlers`` also switches the
+    frontend's local calls."""
+    kept = GlobalTensor.__dict__["__torch_dispatch__"]
+    GlobalTensor.__torch_dispatch__ = classmethod(python_torch_dispatch)
+    try:
+        yield
+    finally:
+        GlobalTensor.__torch_dispatch__ = kept
+
 
 # The Python functions the handler calls: like a Python handler, Dynamo must never take them for frames to compile.
 PYTHON_CALLEES = (dispatch, _scalar_positions, checked_global, comm.local_failure) if NATIVE else ()

@@ -18,11 +18,13 @@ Where the C hit paths are built (``csrc/hit_paths.c``), an eager call past step 
 of steps 2, 3 and the compile check has anything to do (no plain tensor with dims, no write step 2 rewrites, no
 batched matmul or attention, no compilation); otherwise C does nothing and the steps run here in Python."""
 
+import contextlib
+
 import torch
 from torch.compiler import is_dynamo_compiling
 
 from .._comm import compiling
-from .._dispatch import WriteIntoCopy, native_local_calls
+from .._dispatch import WriteIntoCopy, native_local_calls, python_dispatch
 from .._layout import Broadcast
 from ._assignment import (
     DATA,
@@ -126,3 +128,20 @@ _NATIVE_LOCAL, _EAGER = (
     else (None, None)
 )
 _LOCAL_OR_BELOW_AUTOGRAD = _NATIVE_LOCAL or _local_or_below_autograd
+
+
+@contextlib.contextmanager
+def python_handlers(dispatch: bool = True, local_calls: bool = True):
+    """Within the block, global tensors take sbp_torch's Python handlers instead of its C hit paths
+    (``csrc/hit_paths.c``): the dispatcher's (``dispatch``) and the frontend's local calls and eager steps
+    (``local_calls``), for comparing or timing one against the other in one process. Where the C paths are not
+    built, it changes nothing."""
+    global _EAGER, _LOCAL_OR_BELOW_AUTOGRAD
+    kept = _EAGER, _LOCAL_OR_BELOW_AUTOGRAD
+    with python_dispatch() if dispatch else contextlib.nullcontext():
+        if local_calls:
+            _EAGER, _LOCAL_OR_BELOW_AUTOGRAD = None, _local_or_below_autograd
+        try:
+            yield
+        finally:
+            _EAGER, _LOCAL_OR_BELOW_AUTOGRAD = kept
