@@ -4,12 +4,15 @@
 before each collective with its kind, group and size. The code that knows why a collective is needed names the cause
 (``naming_cause`` on a function, ``caused_by`` around a block); the innermost cause named is the one an observer
 reads (``cause()``). Causes are context variables, so they follow the code that set them and nothing else, and they
-are set only while someone observes: an unobserved call pays one lookup."""
+are set only while someone observes: an unobserved call pays one lookup. Dynamo, which cannot trace a context
+variable, is never shown one: while it traces, nothing observes, and the functions named run as they are."""
 
 import contextlib
 import contextvars
 import functools
 from collections.abc import Callable
+
+from torch.compiler import is_compiling
 
 from ._groups import AxisGroup
 
@@ -58,7 +61,7 @@ def notify(kind: str, group: AxisGroup, nbytes) -> None:
 def caused_by(describe: str | Callable[[], str]):
     """Within the block, the collectives issued are caused by ``describe`` (a string, or a function giving one when
     an observer asks), unless code inside names another cause. Outside an observer it names nothing."""
-    if _OBSERVER.get() is None:
+    if is_compiling() or _OBSERVER.get() is None:
         yield
         return
     token = _CAUSE.set(describe)
@@ -75,7 +78,7 @@ def naming_cause(describe: Callable[..., str]):
     def decorate(fn):
         @functools.wraps(fn)
         def named(*args, **kwargs):
-            if _OBSERVER.get() is None:
+            if is_compiling() or _OBSERVER.get() is None:
                 return fn(*args, **kwargs)
             token = _CAUSE.set(lambda: describe(*args, **kwargs))
             try:
