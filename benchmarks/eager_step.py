@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import harness  # noqa: E402
+from zoo.gpt import load_example  # noqa: E402
 
 STEPS, WARMUP = 60, 10
 OUT = os.path.join(harness.DOCS, "eager_step.md")
@@ -38,7 +39,7 @@ def main() -> None:
     from sbp_torch._frontend import python_handlers
 
     torch.set_num_threads(1)
-    gpt = harness.load_gpt_example()
+    gpt = load_example()
     torch.manual_seed(0)
     plain = gpt.GPT()
     laid_out, plain_fe, laid_out_fe = (copy.deepcopy(plain) for _ in range(3))

@@ -30,7 +30,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import harness  # noqa: E402
-from benchmarks.suites import gpt_cuda  # noqa: E402
+from zoo import gpt as gpt_models  # noqa: E402
 
 WARM_UP, TIMED, SHOWN = 3, 15, 8
 OUT = os.path.join(harness.DOCS, "gpu_profile.md")
@@ -47,8 +47,8 @@ def _device_time(event) -> float:
 
 def profile_steps(name: str, library: str, c: dict, batches: list, device: str) -> dict:
     """Step, issue and GPU-busy times of ``library``'s eager step of ``name``, and its kernels' times by name."""
-    model, loss_of = gpt_cuda.make_model(name, c, device)
-    model, lay_out, context = gpt_cuda.laid_out(library, model, device)
+    model, loss_of = gpt_models.make_model(name, c, device)
+    model, lay_out, context = gpt_models.laid_out(library, model, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
@@ -141,13 +141,13 @@ def main() -> None:
         port = s.getsockname()[1]
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
-        c = gpt_cuda.config(cuda=cuda, quick=args.quick)
+        c = gpt_models.config(cuda=cuda, quick=args.quick)
         generator = torch.Generator().manual_seed(0)
         batches = [
             torch.randint(0, c["vocab"], (c["batch"], c["seq"]), generator=generator).to(device) for _ in range(3)
         ]
         results = {}
-        for name in gpt_cuda.MODELS:
+        for name in gpt_models.MODELS:
             results[name] = {}
             for library in ("plain", "sbp_torch"):
                 r = profile_steps(name, library, c, batches, device)

@@ -24,12 +24,10 @@ layout token), training steps that may fail (``Guarded``, ``train_in_turns``) an
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import platform
 import statistics
 import subprocess
-import sys
 import time
 import traceback
 
@@ -145,16 +143,6 @@ def timed_interleaved(fns: dict, repeats: int, warmup: int) -> dict[str, dict]:
             samples[i, r] = (time.perf_counter_ns() - start) / 1e3
     dist.all_reduce(samples, op=dist.ReduceOp.MAX)
     return {name: summary(samples[i].tolist()) for i, name in enumerate(fns)}
-
-
-def load_gpt_example():
-    """``examples/gpt.py`` as a fresh module (``examples`` is not a package; its model is reused, not copied), the
-    one ``sys.modules`` names ``gpt_example`` (Dynamo imports a compiled function's module by name)."""
-    spec = importlib.util.spec_from_file_location("gpt_example", os.path.join(REPO, "examples", "gpt.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def code_state() -> str:

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.suites import gpt_cuda  # noqa: E402
+from zoo import gpt as gpt_models  # noqa: E402
 
 WARM_UP = 3
 TORCH = os.path.dirname(torch.__file__) + os.sep
@@ -67,8 +67,8 @@ def _synchronisations(found: list):
 
 def _steps(name: str, library: str, c: dict, batches: list, steps: int) -> list:
     """The stacks of the synchronisations of ``steps`` steps after the warm-up."""
-    model, loss_of = gpt_cuda.make_model(name, c, "cuda")
-    model, lay_out, _ = gpt_cuda.laid_out(library, model, "cuda")
+    model, loss_of = gpt_models.make_model(name, c, "cuda")
+    model, lay_out, _ = gpt_models.laid_out(library, model, "cuda")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     found = []
     for i in range(WARM_UP + steps):
@@ -121,10 +121,10 @@ def main() -> int:
         port = s.getsockname()[1]
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
-        c = gpt_cuda.config(cuda=True, quick=True)
+        c = gpt_models.config(cuda=True, quick=True)
         generator = torch.Generator().manual_seed(0)
         batches = [torch.randint(0, c["vocab"], (c["batch"], c["seq"]), generator=generator).cuda() for _ in range(3)]
-        ours = sum(check(name, c, batches, args.steps) for name in gpt_cuda.MODELS)
+        ours = sum(check(name, c, batches, args.steps) for name in gpt_models.MODELS)
     finally:
         dist.destroy_process_group()
     print(f"sbp_torch's synchronisations: {ours}")

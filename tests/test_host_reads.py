@@ -7,7 +7,7 @@ Here, on the CPU, the reads are counted where sbp_torch would issue them: by a d
 run on the local parts) and by the tensor methods that read values without an aten op (which also see what runs with
 dispatch modes off, such as ``all_gather_object``).
 
-The GPT example and a tiny unmodified ``transformers`` GPT-2, built as ``benchmarks/suites/gpt_cuda.py`` builds them,
+The GPT example and a tiny unmodified ``transformers`` GPT-2, built by ``zoo/gpt.py`` (the GPU benchmark's models),
 take AdamW steps plain and laid out on a one-rank placement; each step lays out its batch (``to_global`` broadcast,
 then ``split(0)``). A read in the global steps is sbp_torch's when its stack passes through ``sbp_torch/`` and the
 plain steps have no read of that op from the same caller line (the innermost frame outside torch and sbp_torch: the
@@ -139,10 +139,10 @@ def _counting(reads: _HostReads):
 
 
 def _reads_of_steps(name: str, library: str, c: dict, batches: list) -> _HostReads:
-    from benchmarks.suites import gpt_cuda
+    from zoo import gpt as gpt_models
 
-    model, loss_of = gpt_cuda.make_model(name, c, "cpu")
-    model, lay_out, _ = gpt_cuda.laid_out(library, model, "cpu")
+    model, loss_of = gpt_models.make_model(name, c, "cpu")
+    model, lay_out, _ = gpt_models.laid_out(library, model, "cpu")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
     reads = _HostReads()
     for i, ids in enumerate(batches):
@@ -163,9 +163,9 @@ def _format_from_caller(stack: list) -> str:
 def reads_of_global_steps(name: str) -> tuple[list[str], int]:
     """(The reads of the global steps that are sbp_torch's, each with its stack; the ops the counter saw sbp_torch
     run beneath the global tensors.)"""
-    from benchmarks.suites import gpt_cuda
+    from zoo import gpt as gpt_models
 
-    c = gpt_cuda.config(cuda=False, quick=True)
+    c = gpt_models.config(cuda=False, quick=True)
     generator = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, c["vocab"], (c["batch"], c["seq"]), generator=generator) for _ in range(STEPS)]
     plain = _reads_of_steps(name, "plain", c, batches)
@@ -195,15 +195,15 @@ def test_a_global_step_reads_no_value_that_the_plain_step_does_not(name):
 def reads_of_compiled_steps(name: str) -> tuple[list[str], int]:
     """(The reads of ``compile_step``'s calls after the one that traced (the program alone), each with its stack;
     how many ops the counter saw.)"""
-    from benchmarks.suites import gpt_cuda
+    from zoo import gpt as gpt_models
 
-    c = gpt_cuda.config(cuda=False, quick=True)
+    c = gpt_models.config(cuda=False, quick=True)
     generator = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, c["vocab"], (c["batch"], c["seq"]), generator=generator) for _ in range(STEPS)]
-    model, loss_of = gpt_cuda.make_model(name, c, "cpu")
-    model, lay_out, _ = gpt_cuda.laid_out("sbp_torch", model, "cpu")
+    model, loss_of = gpt_models.make_model(name, c, "cpu")
+    model, lay_out, _ = gpt_models.laid_out("sbp_torch", model, "cpu")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
-    step = gpt_cuda.whole_step(model, loss_of, lay_out, optimizer, None)  # the graph run as traced: its ops are seen
+    step = gpt_models.whole_step(model, loss_of, lay_out, optimizer, None)  # the graph run as traced: its ops are seen
     reads = _HostReads()
     for i, ids in enumerate(batches):
         with _counting(reads) if i > 1 else contextlib.nullcontext():  # the first runs eagerly, the second traces

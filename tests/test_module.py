@@ -295,14 +295,14 @@ def _gradient_layouts() -> list:
     """(name, the plain gradient's strides, the global gradient part's, the largest difference of their values) of
     a tiny transformers GPT-2, whose output layer is its embedding's weight, tied through ``t()``, after two steps
     with gradients set to None between them."""
-    from benchmarks.suites import gpt_cuda
+    from zoo import gpt as gpt_models
 
-    c = gpt_cuda.config(cuda=False, quick=True)
+    c = gpt_models.config(cuda=False, quick=True)
     ids = torch.randint(0, c["vocab"], (c["batch"], c["seq"]), generator=torch.Generator().manual_seed(0))
     grads = []
     for library in ("plain", "sbp_torch"):
-        model, loss_of = gpt_cuda.make_model("transformers GPT-2", c, "cpu")
-        model, lay_out, _ = gpt_cuda.laid_out(library, model, "cpu")
+        model, loss_of = gpt_models.make_model("transformers GPT-2", c, "cpu")
+        model, lay_out, _ = gpt_models.laid_out(library, model, "cpu")
         for _ in range(2):
             model.zero_grad(set_to_none=True)
             loss_of(model, lay_out(ids)).backward()

@@ -39,6 +39,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 import sbp_torch as st
 from benchmarks import harness
 from sbp_torch.sbp import Split
+from zoo.gpt import load_example
 
 TITLE = "Checkpoints: save and load of a training state with sbp_torch, DCP with DTensor, and the disk"
 WORLDS = [4]
@@ -48,7 +49,7 @@ LIBRARIES = {"sbp_torch": "sbp_torch", "dtensor": "DCP + DTensor", "disk": "disk
 
 
 def _gpt_module():
-    module = harness.load_gpt_example()
+    module = load_example()
     module.WIDTH, module.VOCAB = WIDTH, VOCAB  # the example's classes read these when built
     return module
 

@@ -34,6 +34,7 @@ import sbp_torch as st
 from benchmarks import harness
 from benchmarks.suites import train
 from benchmarks.suites.handwritten_gpt import handwritten_step
+from zoo.gpt import load_example
 
 TITLE = "Compiled training steps: the GPT example under torch.compile, sbp_torch and DTensor"
 WORLDS = [4]
@@ -109,7 +110,7 @@ def measure(world: int, quick: bool) -> list[dict]:
     torch._inductor.config.bucket_all_reduces_fx = "all"
     torch._inductor.config.bucket_reduce_scatters_fx = "all"
     code = harness.code_state()
-    gpt = harness.load_gpt_example()
+    gpt = load_example()
     warmup, repeats = (2, 8) if quick else (5, 30)
     first, *batches = gpt.batches(warmup + repeats + 2)
     torch.manual_seed(0)

@@ -28,7 +28,6 @@ Without a GPU the suite runs tiny models on the CPU (a smoke run: its times say 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import time
@@ -37,11 +36,11 @@ import torch
 import torch._dynamo
 
 from benchmarks import harness
+from zoo.gpt import MODELS, config, laid_out, make_model, whole_step
 
 TITLE = "GPT training steps on one GPU: plain, sbp_torch and DTensor, eager and compiled (with CUDA graphs)"
 WORLDS = [1]
 NEEDS_CUDA = True
-MODELS = ["GPT example", "transformers GPT-2"]
 VARIANTS = [
     ("plain", "eager"),
     ("sbp_torch", "eager"),
@@ -58,59 +57,6 @@ VARIANTS = [
 
 # the plain variant a variant is divided by, where it is not its own way
 _SAME_WAY = {"compile_step": "step compiled", "compile_step + CUDA graphs": "compiled + CUDA graphs"}
-
-
-def config(cuda: bool, quick: bool) -> dict:
-    if cuda and not quick:
-        return dict(layers=6, hidden=768, heads=12, seq=512, batch=8, vocab=50257, repeats=20)
-    if cuda:
-        return dict(layers=2, hidden=768, heads=12, seq=512, batch=8, vocab=50257, repeats=10)
-    return dict(layers=2, hidden=32, heads=4, seq=16, batch=4, vocab=64, repeats=3)
-
-
-def _gpt2(c: dict):
-    import transformers as tf
-
-    config = tf.GPT2Config(
-        vocab_size=c["vocab"], n_positions=c["seq"], n_embd=c["hidden"], n_layer=c["layers"], n_head=c["heads"],
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa",
-    )  # fmt: skip
-    model = tf.GPT2LMHeadModel(config)
-    model.loss_type = "ForCausalLM"  # named: the default's warning is a call that a compiled forward cannot hold
-    return model, lambda model, ids: model(input_ids=ids, labels=ids).loss
-
-
-def _example(c: dict):
-
-    gpt = harness.load_gpt_example()  # a fresh module: its sizes are module constants, set here before building
-    gpt.VOCAB, gpt.CONTEXT, gpt.WIDTH, gpt.HEADS = c["vocab"], c["seq"], c["hidden"], c["heads"]
-    return gpt.GPT(c["layers"]), lambda model, ids: model(ids, ids)
-
-
-def make_model(name: str, c: dict, device: str):
-    """(The model, on ``device`` with the same weights every time, and its loss of a batch of token ids.)"""
-    torch.manual_seed(0)
-    model, loss = (_example if name == "GPT example" else _gpt2)(c)
-    return model.to(device).train(), loss
-
-
-def laid_out(library: str, model, device: str):
-    """(The model as ``library`` runs it, the function that lays out a batch, the context its steps run in.)"""
-    if library == "sbp_torch":
-        import sbp_torch as st
-        from sbp_torch.sbp import broadcast, split
-
-        placement = st.placement(device, [0])
-        model.to_global(placement)
-        return model, lambda ids: ids.to_global(placement, broadcast).to_global(sbp=split(0)), contextlib.nullcontext
-    if library == "DTensor":
-        from torch.distributed.tensor import DTensor, Shard, distribute_module, init_device_mesh
-        from torch.distributed.tensor.experimental import implicit_replication
-
-        mesh = init_device_mesh(device, (1,))
-        distribute_module(model, mesh)
-        return model, lambda ids: DTensor.from_local(ids, mesh, [Shard(0)]), implicit_replication
-    return model, lambda ids: ids, contextlib.nullcontext
 
 
 def _plain(t):
@@ -144,22 +90,6 @@ def _measure_variant(name: str, library: str, how: str, c: dict, device: str, ba
     first_s = time.perf_counter() - start
     stat = harness.timed_local(lambda: step(laid_out_batches[0]), repeats=c["repeats"], warmup=2, sync=sync)  # one rank
     return {"first_steps_s": round(first_s, 2), "losses": losses, **stat}
-
-
-def whole_step(model, loss_of, lay_out, optimizer, backend, cuda_graphs=False):
-    """The training step (batch layout, forward, backward, optimizer step) as one program by
-    ``sbp_torch.compile_step`` with ``backend`` (replayed as a CUDA graph with ``cuda_graphs``)."""
-    import sbp_torch as st
-
-    @st.compile_step(model=model, optimizer=optimizer, backend=backend, cuda_graphs=cuda_graphs)
-    def step(ids):
-        loss = loss_of(model, lay_out(ids))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=False)
-        return loss
-
-    return step
 
 
 def _measure_whole_step(model, loss_of, lay_out, c: dict, batches: list, sync, cuda_graphs: bool) -> dict:

@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 import sbp_torch as st
 from benchmarks import harness
 from sbp_torch.sbp import broadcast
+from zoo.gpt import load_example
 
 TITLE = "Optimizer step: AdamW over a transformer's parameters"
 WORLDS = [2, 4]
@@ -81,7 +82,7 @@ def _case(gpt, layers: int, world: int, quick: bool, code: str) -> list[dict]:
 
 def measure(world: int, quick: bool) -> list[dict]:
     code = harness.code_state()  # at the start: the code this process imported
-    gpt = harness.load_gpt_example()
+    gpt = load_example()
     rows = []
     for layers in [LAYERS] if quick else [LAYERS, MORE_LAYERS]:
         rows += _case(gpt, layers, world, quick, code)

@@ -71,6 +71,7 @@ from benchmarks import harness
 from sbp_torch._api._sharding import MixedPrecision
 from sbp_torch.sbp import broadcast, split
 from zoo import dense
+from zoo.gpt import load_example
 
 TITLE = "Sharded data parallelism: sbp_torch's Module.to_global(shard=0), FSDP2 and replicated data parallelism"
 WORLDS = [4]
@@ -95,7 +96,7 @@ class Case:
 
 
 def _gpt_case(quick: bool) -> Case:
-    gpt = harness.load_gpt_example()  # a fresh module: its sizes are module constants, set here before building
+    gpt = load_example()  # a fresh module: its sizes are module constants, set here before building
     gpt.CONTEXT, gpt.WIDTH, gpt.HEADS = 32, 128, 4
     layers = 2 if quick else 4
 

@@ -60,6 +60,7 @@ from torch.distributed.tensor.parallel import (
 
 from benchmarks import harness
 from sbp_torch.sbp import broadcast
+from zoo.gpt import load_example
 
 TITLE = "Training steps: the GPT example with sbp_torch, DTensor and one process"
 WORLDS = [1, 4]
@@ -226,7 +227,7 @@ DTENSOR_STEPS = {"dp": _dtensor_dp_step, "tp": _dtensor_tp_step, "dp_tp": _dtens
 
 def measure(world: int, quick: bool) -> list[dict]:
     code = harness.code_state()  # at the start: the code this process imported
-    gpt = harness.load_gpt_example()
+    gpt = load_example()
     warmup, repeats = (3, 10) if quick else (5, 40)
     *batches, last = gpt.batches(warmup + repeats + 1)  # the last: one more step, profiled, not timed
     torch.manual_seed(0)
