@@ -173,3 +173,15 @@ def test_no_code_reads_the_locals_of_other_frames():
 def test_ruff(command):
     done = subprocess.run([_tool("ruff"), *command, "."], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_no_test_imports_a_benchmark():
+    """Benchmarks time; what tests and benchmarks share (models, layouts) lives in ``zoo/``."""
+    importing = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            if any(n == "benchmarks" or n.startswith("benchmarks.") for n in names):
+                importing.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not importing, importing
