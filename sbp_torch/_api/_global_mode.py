@@ -13,7 +13,6 @@ conversion's buffers, inside a forward) build plain tensors, as outside the mode
 """
 
 import contextlib
-import os
 import sys
 
 import torch
@@ -27,7 +26,7 @@ from torch.utils import _pytree as pytree
 
 from .._comm import compiling
 from .._layout import Placement, Split, broadcast
-from .._tensor import GlobalTensor
+from .._tensor import OWN_DIR, TORCH_DIR, GlobalTensor, first_outside
 from ._factories import _from_value, _random, _size
 from ._to_global import from_replica
 
@@ -139,14 +138,8 @@ def _on_cpu_only(mode: GlobalMode, func, args, kwargs):
 def _called_by_sbp_torch() -> bool:
     """Whether the factory call comes from sbp_torch's own code (a conversion's buffers, say), directly or through
     torch's Python code (``torch.distributed``): those tensors are this rank's own and stay plain."""
-    frame = sys._getframe(2)
-    while frame is not None and frame.f_code.co_filename.startswith(_TORCH_DIR):
-        frame = frame.f_back
-    return frame is not None and frame.f_code.co_filename.startswith(_OWN_DIR)
-
-
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_OWN_DIR = os.path.dirname(os.path.dirname(__file__)) + os.sep
+    frame, _ = first_outside(sys._getframe(2), (TORCH_DIR,))
+    return frame is not None and frame.f_code.co_filename.startswith(OWN_DIR)
 
 
 def _holds_tensors(data) -> bool:

@@ -2,7 +2,6 @@
 the op run on full values, broadcast outputs; tensors the op writes into get the result boxed back into their own
 layout. It warns once per op, or raises in strict mode (``_modes.py``), except for ``VALUE_OPS``."""
 
-import os
 import sys
 import warnings
 from dataclasses import dataclass
@@ -14,7 +13,7 @@ from torch.utils._pytree import tree_map
 from .. import _comm as comm
 from .._boxing import box_local
 from .._layout import GlobalMeta, broadcast, refuse_value_dependent
-from .._tensor import GlobalTensor
+from .._tensor import OWN_DIR, TORCH_DIR, GlobalTensor, first_outside
 from ._bound import BoundCall
 from ._modes import STRICT
 
@@ -43,17 +42,11 @@ class Fallback:
         return run_fallback(BoundCall(func, args, kwargs), self.reason)
 
 
-_OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-
-
 def _user_level() -> int:
     """The ``stacklevel`` of a warning that names the user's line: the first caller outside sbp_torch and torch
     (the frames between differ by path: the C hit path, torch function, autograd)."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith((_OWN_DIR, _TORCH_DIR)):
-        frame, level = frame.f_back, level + 1
-    return level
+    _, passed = first_outside(sys._getframe(1), (OWN_DIR, TORCH_DIR))
+    return 1 + passed
 
 
 @comm.naming_cause(lambda bound, why: f"{bound.func} on gathered inputs ({why})")

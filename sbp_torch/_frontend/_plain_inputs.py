@@ -13,7 +13,6 @@ below this layer as one call.
 """
 
 import hashlib
-import os
 import sys
 
 import torch
@@ -21,9 +20,8 @@ import torch
 from .. import _comm as comm
 from .._comm import compiling
 from .._dispatch import IMPLICIT_BROADCAST, MixedTensorError
-from .._tensor import GlobalTensor
+from .._tensor import OWN_DIR, GlobalTensor, first_outside
 
-_OWN_DIR = os.path.dirname(os.path.dirname(__file__)) + os.sep
 _CHECKED: set = set()  # (call site, shape, dtype) whose values every rank was found to agree on
 
 
@@ -64,9 +62,7 @@ def _plain_tensors(values) -> list:
 
 def _call_site():
     """The nearest caller outside sbp_torch, as (code, line)."""
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_OWN_DIR):
-        frame = frame.f_back
+    frame, _ = first_outside(sys._getframe(1), (OWN_DIR,))
     return None if frame is None else (frame.f_code, frame.f_lineno)
 
 

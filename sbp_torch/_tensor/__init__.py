@@ -1,5 +1,6 @@
 """The global tensor type, its differentiable conversions and its gradient rule."""
 
+from ._callers import OWN_DIR, TORCH_DIR, first_outside
 from ._conversions import to_placement, to_sbp
 from ._global_tensor import (
     GlobalTensor,
