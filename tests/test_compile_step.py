@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import copy
 import functools
-import importlib.util
 import inspect
-import pathlib
 
 import pytest
 import torch
@@ -24,19 +22,11 @@ from torch import nn
 import sbp_torch as st
 from sbp_torch.sbp import broadcast as B
 from sbp_torch.sbp import split as S
+from zoo.gpt import load_example
 
 from world import run_on_world
 
 pytestmark = pytest.mark.gloo
-
-_GPT = pathlib.Path(__file__).parents[1] / "examples" / "gpt.py"
-
-
-def _gpt_module():
-    spec = importlib.util.spec_from_file_location("gpt_example", _GPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 class MLP(nn.Module):
@@ -185,7 +175,7 @@ def test_inductor_traces_with_its_own_decompositions():
 
 
 def _gpt_training(mode):
-    gpt = _gpt_module()
+    gpt = load_example()
     torch.manual_seed(0)
     reference = gpt.GPT()
     model = copy.deepcopy(reference)

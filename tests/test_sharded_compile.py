@@ -3,33 +3,23 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
-import os
 
 import pytest
 import torch
 
 # (before Dynamo, as a user imports them: Dynamo then takes ``Tensor.to_global`` for a torch method, as it did here)
 from sbp_torch.sbp import broadcast
+from zoo.gpt import load_example
 
 from world import run_on_world
 
 pytestmark = pytest.mark.gloo
 
-EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
-
-
-def _gpt():
-    spec = importlib.util.spec_from_file_location("gpt", os.path.join(EXAMPLES, "gpt.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 def _sharded_compiled_losses(steps: int):
     from torch._dynamo.utils import counters
 
-    gpt = _gpt()
+    gpt = load_example()
     torch.manual_seed(0)
     reference = gpt.GPT(1)  # one block has every kind of gather; a second only doubles what Inductor compiles
     model = copy.deepcopy(reference)
