@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from sbp_torch.planner._calibrate import calibrate
-from sbp_torch.planner._costs import CostModel
+from sbp_torch.planner._cost_model import CostModel
 
 from world import run_on_world
 

@@ -5,7 +5,7 @@ lays out a batch. ``CostModel`` holds a machine's constants (``H100``, ``A100``,
 ``calibrate()``)."""
 
 from ._calibrate import calibrate
-from ._costs import A100, CPU_GLOO, H100, CostModel, Link
+from ._cost_model import A100, CPU_GLOO, H100, CostModel, Link
 from ._plan import Plan, Prediction
 from ._predict import predict
 from ._search import PlanError, plan

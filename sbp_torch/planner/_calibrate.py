@@ -17,8 +17,8 @@ from torch import nn
 from .._api import ones
 from .._layout import Placement
 from ..sbp import broadcast
-from ._costs import COLLECTIVE_RULES, CPU_GLOO, CostModel, Link
-from ._trace import CountOps
+from ._cost_model import COLLECTIVE_RULES, CPU_GLOO, CostModel, Link
+from ._counting import CountOps
 
 # Per device type: the side of the square matmul and the elements of each float32 operand of the add (16 MB on a
 # CPU, 256 MB on a GPU): large enough that a run takes milliseconds and a GPU reaches its peaks.

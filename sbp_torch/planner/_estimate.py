@@ -9,17 +9,27 @@ from __future__ import annotations
 import collections
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from .._api._sharding import storage_sbp
 from .._boxing import plan_boxing
 from .._layout import GlobalMeta
-from ._costs import CostModel
-from ._trace import Measured
+from ._cost_model import CostModel
+from ._counting import Measured
 
 # Optimizer class name -> state tensors it keeps per parameter, each as large as the parameter.
 OPTIMIZER_STATES = {"AdamW": 2, "Adam": 2, "SGD": 1, "Adagrad": 1, "RMSprop": 1, "Adafactor": 1, "none": 0}
 OPTIMIZER_PASSES = 12  # elementwise passes over parameter-sized tensors one AdamW step makes (reads and writes)
 BUCKET_BYTES = 25 * 2**20  # Module.to_global's gradient bucket
+
+
+class GradientBuckets(NamedTuple):
+    """What ``Module.to_global``'s reducer buckets gradients by: one collective on one placement axis (-1: every
+    axis at once, a point-to-point step) from one layout."""
+
+    axis: int
+    collective: str
+    layout: tuple
 
 
 @dataclass
@@ -32,7 +42,7 @@ class Estimate:
     optimizer_s: float = 0.0
     memory: dict = field(default_factory=dict)  # term -> bytes
     collectives: dict = field(default_factory=dict)  # kind -> count per step
-    reduced: dict = field(default_factory=dict)  # "axis:collective:layout" -> gradient bytes it moves per step
+    reduced: dict = field(default_factory=dict)  # GradientBuckets -> gradient bytes they move per step
 
     def __add__(self, other: Estimate) -> Estimate:
         return self.plus(other, 1.0)
@@ -129,7 +139,7 @@ def parameters_estimate(
                 ranks = _axis_ranks(compute, step.axis) if step.axis >= 0 else tuple(compute.placement.flat_ranks)
                 nbytes = _local_bytes(before)
                 est.param_comm_s += _bandwidth_s(costs, step.collective, ranks, nbytes)
-                key = f"{step.axis}:{step.collective}:{before.sbp}"  # the reducer buckets by layout
+                key = GradientBuckets(step.axis, step.collective, tuple(before.sbp))
                 est.reduced[key] = est.reduced.get(key, 0) + nbytes
                 if step.collective == "all-reduce":  # each bucket reduces a flat copy; all are in flight at once
                     est.memory["gradient buckets"] = est.memory.get("gradient buckets", 0) + nbytes
@@ -157,9 +167,8 @@ def step_estimate(costs: CostModel, placement, data_axis, sharded: bool, units: 
         gather, scatter = costs.latency_s("all-gather", ranks), costs.latency_s("reduce-scatter", ranks)
         est.param_comm_s += units * (2 * gather + scatter)
         est.collectives = {"all-gather": 2 * units, "reduce-scatter(sum)": units}
-    for key, nbytes in reduced.items():
-        axis, collective, _ = key.split(":", 2)
-        ranks = placement.axis_ranks(int(axis), coord) if int(axis) >= 0 else placement.flat_ranks
+    for (axis, collective, _), nbytes in reduced.items():
+        ranks = placement.axis_ranks(axis, coord) if axis >= 0 else placement.flat_ranks
         if nbytes > 0 and len(ranks) > 1:
             buckets = math.ceil(nbytes / BUCKET_BYTES)
             est.param_comm_s += buckets * costs.latency_s(collective, ranks)

@@ -15,7 +15,7 @@ from torch import nn
 from .._api import module_to_global
 from .._layout import GlobalMeta, Partial, Placement, SbpType, Split, broadcast
 from .._tensor import GlobalTensor
-from ._costs import CostModel
+from ._cost_model import CostModel
 from ._estimate import Estimate
 from ._meshes import Mesh
 from ._pins import BoundaryPin

@@ -7,13 +7,13 @@ import math
 
 from .._api._module import sbp_for
 from .._layout import Placement
-from ._costs import CPU_GLOO, CostModel
+from ._cost_model import CPU_GLOO, CostModel
+from ._decisions import unit_containers
 from ._estimate import from_trace, parameters_estimate, step_estimate
 from ._meshes import Mesh, planning_world
 from ._plan import Prediction
 from ._search import optimizer_states
-from ._structure import unit_containers
-from ._tracer import Tracer
+from ._tracing import Tracer
 
 
 def predict(

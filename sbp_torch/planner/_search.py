@@ -4,27 +4,33 @@ memory limit, before anything runs (docs/planning.md).
 For each mesh (every way to split the world into data x tensor ranks) the step is traced once with the
 root's and the units' tensor-parallel decisions at ``replicate``, then each unit's options alone, from the
 inputs that trace recorded, and each of the root's options; the estimates add up because the hidden state
-is pinned to one layout at every unit's edges (``_pins.py``). The choice of one option per decision group,
-under the memory limit, is then an integer program, solved exactly (``scipy.optimize.milp``)."""
+is pinned to one layout at every unit's edges (``_pins.py``). A group with more option combinations than
+``exhaustive_limit`` is searched by coordinate descent (``_search_group``). The choice of one option per decision
+group, under the memory limit, is then an integer program, solved exactly (``_choose``, ``scipy.optimize.milp``).
+
+What each option costs is ``OptionCosts``' (``_option_costs.py``: it traces the pieces with ``_tracing.py`` and
+prices what they did with ``_estimate.py`` and the cost model, ``_cost_model.py``)."""
 
 from __future__ import annotations
 
 import math
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
+from scipy.optimize import Bounds, LinearConstraint, milp
 from torch import nn
 
 from .._layout import Placement, broadcast
 from .._tensor import GlobalTensor
-from ._costing import Costing, choose, search_group
-from ._costs import CPU_GLOO, CostModel
+from ._cost_model import CPU_GLOO, CostModel
+from ._decisions import groups_of, parameter_layouts
 from ._estimate import OPTIMIZER_STATES, Estimate, step_estimate
 from ._meshes import Mesh, meshes_for, planning_world
+from ._option_costs import OptionCosts
 from ._plan import Plan, Prediction, describe_mesh, sbp_text
-from ._structure import groups_of, parameter_layouts
-from ._tracer import Tracer
+from ._tracing import Tracer
 
 
 class PlanError(ValueError):
@@ -89,12 +95,12 @@ def plan(
             tracer.run_model({}, record=True)  # records the units' inputs and which modules share one
             if groups is None:
                 groups = groups_of(model, tracer.module_inputs)
-            tables, searched = _tables(Costing(tracer, groups, costs, states), exhaustive_limit)
+            tables, searched = _tables(OptionCosts(tracer, groups, costs, states), exhaustive_limit)
             methods.update(searched["methods"])
             traces += searched["traces"] + 1
             n_units = sum(len(g.units) for g in groups[1:])
             for sharded in (False, True) if mesh.data_axis is not None and mesh.shape[mesh.data_axis] > 1 else (False,):
-                picks = choose(tables, budget, costs, sharded)
+                picks = _choose(tables, budget, costs, sharded)
                 minimum = _assemble(
                     tables, [min(t, key=lambda o: t[o][sharded].memory_bytes()) for t in tables], sharded
                 )
@@ -147,19 +153,21 @@ def plan(
     return found
 
 
-def _tables(costing: Costing, limit: int) -> tuple[list[dict], dict]:
+def _tables(option_costs: OptionCosts, limit: int) -> tuple[list[dict], dict]:
     """Per group (the root first) option -> estimates by storage, for one mesh; and how the search went."""
-    groups, costs, methods = costing.groups, costing.costs, set()
+    groups, costs, methods = option_costs.groups, option_costs.costs, set()
     tables: list[dict] = [{}]
     units_base = Estimate()  # the traced part of each container's first unit at "replicate": in the cut step
     for index in range(1, len(groups)):
-        table, method = search_group(costing, index, limit, costs, lambda c, i=index: costing.unit_option(i, c))
+        table, method = _search_group(
+            option_costs, index, limit, costs, lambda c, i=index: option_costs.unit_option(i, c)
+        )
         methods.add(method)
         tables.append(table)
-        units_base = units_base + costing.traced[index, costing.replicate(groups[index])]
-    tables[0], method = search_group(costing, 0, limit, costs, lambda c: costing.root_option(c, units_base))
+        units_base = units_base + option_costs.traced[index, option_costs.replicate(groups[index])]
+    tables[0], method = _search_group(option_costs, 0, limit, costs, lambda c: option_costs.root_option(c, units_base))
     methods.add(method)
-    return tables, {"methods": methods, "traces": costing.traces}
+    return tables, {"methods": methods, "traces": option_costs.traces}
 
 
 def _assemble(tables: list[dict], picks: list, sharded: bool) -> Estimate:
@@ -167,3 +175,61 @@ def _assemble(tables: list[dict], picks: list, sharded: bool) -> Estimate:
     for table, pick in zip(tables, picks):
         total = total + table[pick][sharded]
     return total
+
+
+def _search_group(option_costs: OptionCosts, index: int, limit: int, costs: CostModel, evaluate) -> tuple[dict, str]:
+    """Option -> estimates by storage (``evaluate(option)``), for every option evaluated; and how the options
+    were searched: all of them up to ``limit``, else coordinate descent."""
+    group = option_costs.groups[index]
+    combos = group.combinations() if option_costs.mesh.tensor_axis is not None else [option_costs.replicate(group)]
+    if len(combos) <= limit:
+        return {c: evaluate(c) for c in combos}, "exhaustive"
+    found: dict = {}
+    alternating = tuple(
+        ("column", "row")[i % 2] if "column" in d.options else "replicate" for i, d in enumerate(group.decisions)
+    )
+    for seed in (option_costs.replicate(group), alternating):  # columns feeding rows: the pairing that needs least
+        found[seed] = evaluate(seed)
+    current = min(found, key=lambda c: found[c][False].step_s(costs))
+    improved = True
+    while improved:  # coordinate descent on the replicated step time
+        improved = False
+        for i, decision in enumerate(group.decisions):
+            for option in decision.options:
+                candidate = current[:i] + (option,) + current[i + 1 :]
+                if candidate not in found:
+                    found[candidate] = evaluate(candidate)
+                if found[candidate][False].step_s(costs) < found[current][False].step_s(costs) - 1e-12:
+                    current, improved = candidate, True
+    return found, f"local search ({len(found)} of {len(combos)})"
+
+
+def _choose(tables: list[dict], budget: float, costs: CostModel, sharded: bool):
+    """One option per group minimising the summed step time with the summed memory under ``budget``: an
+    integer program (exact); None when nothing fits."""
+    options = [list(t) for t in tables]
+    times = [[t[o][sharded].step_s(costs) for o in opts] for t, opts in zip(tables, options)]
+    mems = [[t[o][sharded].memory_bytes() for o in opts] for t, opts in zip(tables, options)]
+    if not math.isfinite(budget):
+        return [opts[int(np.argmin(ts))] for opts, ts in zip(options, times)]
+    sizes = [len(o) for o in options]
+    c = np.concatenate([np.array(t) for t in times])
+    one_each = np.zeros((len(sizes), sum(sizes)))
+    start = 0
+    for g, size in enumerate(sizes):
+        one_each[g, start : start + size] = 1
+        start += size
+    memory = np.concatenate([np.array(m) for m in mems])[None, :]
+    result = milp(
+        c,
+        integrality=np.ones_like(c),
+        bounds=Bounds(0, 1),
+        constraints=[LinearConstraint(one_each, 1, 1), LinearConstraint(memory, -np.inf, budget)],
+    )
+    if not result.success:
+        return None
+    picks, start = [], 0
+    for opts, size in zip(options, sizes):
+        picks.append(opts[int(np.argmax(result.x[start : start + size]))])
+        start += size
+    return picks

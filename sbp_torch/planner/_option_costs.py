@@ -1,23 +1,19 @@
-"""Estimates per decision group and option on one mesh, and the choice of one option per group."""
+"""``OptionCosts``: the estimate of each option of each decision group on one mesh, by tracing it (the search
+(``_search.py``) asks for the options it wants priced)."""
 
 from __future__ import annotations
 
-import math
-
-import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
-
-from ._costs import CostModel
+from ._cost_model import CostModel
+from ._decisions import Group, in_unit, parameter_layouts
 from ._estimate import Estimate, from_trace, parameters_estimate
-from ._structure import Group, in_unit, parameter_layouts
-from ._tracer import Tracer
+from ._tracing import Tracer
 
 
 def _pairs(params: dict, measured, metas) -> list:
     return [(metas[name], measured.grads.get(id(p))) for name, p in params.items()]
 
 
-class Costing:
+class OptionCosts:
     """Estimates per decision group and option on one mesh, for replicated and sharded storage."""
 
     def __init__(self, tracer: Tracer, groups: list[Group], costs: CostModel, states: int):
@@ -81,61 +77,3 @@ class Costing:
         trace_est.memory["temporaries"] = max(trace_est.memory.get("temporaries", 0), 0)
         pairs = _pairs(root_params, measured, self.tracer.metas)
         return {s: trace_est + self.params_estimate(pairs, s, kept=True) for s in (False, True)}
-
-
-def search_group(costing: Costing, index: int, limit: int, costs: CostModel, evaluate) -> tuple[dict, str]:
-    """Option -> estimates by storage (``evaluate(option)``), for every option evaluated; and how the options
-    were searched: all of them up to ``limit``, else coordinate descent."""
-    group = costing.groups[index]
-    combos = group.combinations() if costing.mesh.tensor_axis is not None else [costing.replicate(group)]
-    if len(combos) <= limit:
-        return {c: evaluate(c) for c in combos}, "exhaustive"
-    found: dict = {}
-    alternating = tuple(
-        ("column", "row")[i % 2] if "column" in d.options else "replicate" for i, d in enumerate(group.decisions)
-    )
-    for seed in (costing.replicate(group), alternating):  # columns feeding rows: the pairing that needs least
-        found[seed] = evaluate(seed)
-    current = min(found, key=lambda c: found[c][False].step_s(costs))
-    improved = True
-    while improved:  # coordinate descent on the replicated step time
-        improved = False
-        for i, decision in enumerate(group.decisions):
-            for option in decision.options:
-                candidate = current[:i] + (option,) + current[i + 1 :]
-                if candidate not in found:
-                    found[candidate] = evaluate(candidate)
-                if found[candidate][False].step_s(costs) < found[current][False].step_s(costs) - 1e-12:
-                    current, improved = candidate, True
-    return found, f"local search ({len(found)} of {len(combos)})"
-
-
-def choose(tables: list[dict], budget: float, costs: CostModel, sharded: bool):
-    """One option per group minimising the summed step time with the summed memory under ``budget``: an
-    integer program (exact); None when nothing fits."""
-    options = [list(t) for t in tables]
-    times = [[t[o][sharded].step_s(costs) for o in opts] for t, opts in zip(tables, options)]
-    mems = [[t[o][sharded].memory_bytes() for o in opts] for t, opts in zip(tables, options)]
-    if not math.isfinite(budget):
-        return [opts[int(np.argmin(ts))] for opts, ts in zip(options, times)]
-    sizes = [len(o) for o in options]
-    c = np.concatenate([np.array(t) for t in times])
-    one_each = np.zeros((len(sizes), sum(sizes)))
-    start = 0
-    for g, size in enumerate(sizes):
-        one_each[g, start : start + size] = 1
-        start += size
-    memory = np.concatenate([np.array(m) for m in mems])[None, :]
-    result = milp(
-        c,
-        integrality=np.ones_like(c),
-        bounds=Bounds(0, 1),
-        constraints=[LinearConstraint(one_each, 1, 1), LinearConstraint(memory, -np.inf, budget)],
-    )
-    if not result.success:
-        return None
-    picks, start = [], 0
-    for opts, size in zip(options, sizes):
-        picks.append(opts[int(np.argmax(result.x[start : start + size]))])
-        start += size
-    return picks

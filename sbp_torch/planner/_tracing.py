@@ -14,10 +14,10 @@ from .._api._global_mode import GlobalMode
 from .._api._module_tensors import module_tensors
 from .._layout import GlobalMeta, broadcast
 from .._tensor import GlobalTensor
+from ._counting import measure, meta_global
+from ._decisions import options_of, unit_containers
 from ._meshes import Mesh
 from ._pins import BoundaryPin
-from ._structure import options_of, unit_containers
-from ._trace import measure, meta_global
 
 
 def _loss_of(output, loss):
