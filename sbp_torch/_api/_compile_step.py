@@ -46,6 +46,7 @@ from .._layout import ValueDependentShape, device_draws_refused
 from .._tensor import GlobalTensor
 from . import _step_graph as step_graph
 from ._gradient_reducer import drop_pending_reductions
+from ._module_tensors import Swap
 
 # The optimizers whose capturable arithmetic takes a tensor learning rate (the others read it as a number)
 _TENSOR_LR = (
@@ -426,7 +427,7 @@ class CompiledStep:
         gm, run, failure = None, None, None
         try:
             _refuse_before_tracing(self.traces, arg_leaves)
-            with _restored(self, holders, values), comm.tracing_program() as agreed, device_draws_refused():
+            with _restored(self, holders), comm.tracing_program() as agreed, device_draws_refused():
                 gm = make_fx(program, tracing_mode="fake", decomposition_table=_decompositions(self.backend))(*examples)
             if self.cuda_graphs:  # (before the backend's compilation, the long part)
                 _refuse(step_graph.refusal_of_program(comm.holds_collectives(gm)))
@@ -590,12 +591,15 @@ def _write_back(present, state, holders_after, outcome: _Outcome) -> list:
 
 
 @contextlib.contextmanager
-def _restored(step: CompiledStep, holders, held):
-    """Put back every holder, parameter group and state dict as it was before the trace."""
+def _restored(step: CompiledStep, holders):
+    """Put back every parameter's part and gradient, parameter group, buffer and state dict as it was before the
+    trace."""
     groups = [dict(g) for g in step._groups()]
     states = [{p: dict(o.state[p]) for p in step.params if p in o.state} for o in step.optimizers]
     buffers = [dict(b) for b in step.buffer_dicts]
+    parts_and_grads = Swap(h for h in holders if h.kind in ("part", "grad"))
     try:
+        parts_and_grads.put()
         yield
         changed = _numbers_changed(step, groups, states)
         if changed:
@@ -617,9 +621,7 @@ def _restored(step: CompiledStep, holders, held):
         for live, saved in zip(step.buffer_dicts, buffers):
             live.clear()
             live.update(saved)
-        for holder, value in zip(holders, held):
-            if holder.kind in ("part", "grad"):
-                holder.set(value)
+        parts_and_grads.put_back()
 
 
 def _numbers_changed(step: CompiledStep, groups: list, states: list) -> str | None:

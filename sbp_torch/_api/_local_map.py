@@ -38,7 +38,7 @@ from .._layout import (
 )
 from .._tensor import GlobalTensor, from_whole, gradient, gradient_sbp, has_extreme, to_local, to_sbp
 from ._global_mode import outside_global_mode
-from ._module_tensors import module_tensors
+from ._module_tensors import Slot, Swap, module_tensors
 from ._to_global import to_global
 
 
@@ -116,21 +116,6 @@ def _reaching_every_input(outputs: list, needing: list[torch.Tensor]) -> list:
     return [out + zero.to(out.dtype) if _differentiable(out) else out for out in outputs]
 
 
-class _Swapped:
-    """Within the block, ``module``'s global parameters and buffers are the given local tensors."""
-
-    def __init__(self, slots: list, locals_: list[torch.Tensor]):
-        self.slots, self.locals = slots, locals_
-
-    def __enter__(self):
-        for (table, name, _), local in zip(self.slots, self.locals):
-            table[name] = local
-
-    def __exit__(self, *_):
-        for table, name, tensor in self.slots:
-            table[name] = tensor
-
-
 def global_slots(module: nn.Module) -> list:
     """(table, name, tensor) of each global parameter and buffer of ``module`` and its submodules."""
     return [(table, name, t) for _, _, table, name, t in module_tensors(module) if isinstance(t, GlobalTensor)]
@@ -157,7 +142,10 @@ def run_locally(fn, placement: Placement, args: tuple, in_sbps: tuple, out_sbps,
     local_slots = [_local_part(t, divided, f"{what}: {name}") for _, name, t in slots]
     outside = placement.local_coord() is None
     run_args = [_stand_in(a) if outside and isinstance(a, GlobalTensor) else p for a, p in zip(boxed, local_args)]
-    with outside_global_mode(), _Swapped(list(slots), [_stand_in(t) for _, _, t in slots] if outside else local_slots):
+    swap = Swap(
+        [Slot(table, name) for table, name, _ in slots], [_stand_in(t) for _, _, t in slots] if outside else local_slots
+    )
+    with outside_global_mode(), swap:
         result = fn(*run_args, **kwargs)
     flat, spec = tree_flatten(result)
     positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]

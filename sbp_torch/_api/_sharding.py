@@ -18,6 +18,7 @@ frames of their own, but the hooks of the modules called inside it within it.)""
 
 from __future__ import annotations
 
+import enum
 import fnmatch
 import math
 import time
@@ -31,6 +32,7 @@ from .. import _comm as comm
 from .._boxing import box_local
 from .._layout import Broadcast, GlobalMeta, Partial, Split, balanced_sizes
 from .._tensor import GlobalTensor
+from ._module_tensors import Slot, Swap
 
 
 @dataclass(frozen=True)
@@ -76,10 +78,18 @@ class _ShardedParameter:
         self.numels = [math.prod(self.shape) // max(self.shape[self.dim], 1) * n for n in self.sizes]
         self.full: torch.Tensor | None = None
 
-    def use(self, tensor: torch.Tensor | None) -> None:
-        """Make every module that holds the parameter see ``tensor`` (None: the stored parameter again)."""
-        for module, name in self.owners:
-            module._parameters[name] = self.stored if tensor is None else tensor
+    def slots(self) -> list[Slot]:
+        """Where modules hold the parameter (a tied parameter has several)."""
+        return [Slot(module._parameters, name) for module, name in self.owners]
+
+
+class UnitState(enum.Enum):
+    """Where a unit's gathered copies are: ``FREE`` (storage released), ``GATHERING`` (an all-gather in flight,
+    ``_Unit.in_flight`` finishes it), ``GATHERED`` (the copies hold the parameters)."""
+
+    FREE = "free"
+    GATHERING = "gathering"
+    GATHERED = "gathered"
 
 
 class _Unit:
@@ -91,9 +101,14 @@ class _Unit:
         self.group = comm.axis_group(placement, axis)
         self.index = self.group.index
         self.row = max(sum(p.numels[k] for p in params) for k in range(self.group.size))
-        self.in_flight = None  # finish() of a started gather
-        self.gathered = False
+        self.state = UnitState.FREE
+        self.in_flight = None  # finish() of the gather, while GATHERING
+        self.swap: Swap | None = None  # the copies stood in for the parameters, while a forward uses them
         self.timeline: list | None = None  # where events go, when a timeline is recorded
+
+    @property
+    def gathered(self) -> bool:
+        return self.state is UnitState.GATHERED
 
     @property
     def nbytes(self) -> int:
@@ -101,7 +116,7 @@ class _Unit:
 
     def start(self) -> None:
         """Begin gathering, unless gathered or begun."""
-        if self.gathered or self.in_flight is not None:
+        if self.state is not UnitState.FREE:
             return
         row = self.params[0].stored._local.new_zeros(self.row, dtype=self.params[0].compute.dtype)
         offset = 0
@@ -110,6 +125,7 @@ class _Unit:
             row[offset : offset + n].copy_(p.stored._local.reshape(-1))
             offset += n
         self.in_flight = comm.start_gather_rows(row, self.group)
+        self.state = UnitState.GATHERING
         self.note("gather begun")
 
     def ensure(self) -> None:
@@ -117,7 +133,7 @@ class _Unit:
         if self.gathered:
             return
         self.start()
-        rows, self.in_flight = self.in_flight(), None
+        rows, self.in_flight, self.state = self.in_flight(), None, UnitState.FREE
         offsets = [0] * len(rows)
         for p in self.params:
             parts = []
@@ -131,7 +147,7 @@ class _Unit:
             else:
                 p.full.untyped_storage().resize_(p.full.numel() * p.full.element_size())
             torch.cat(parts, dim=p.dim, out=p.full)
-        self.gathered = True
+        self.state = UnitState.GATHERED
         self.note("gathered")
 
     def note(self, event: str) -> None:
@@ -141,15 +157,16 @@ class _Unit:
     def drop_in_flight(self) -> None:
         """Wait for a gather nobody will read (its values may be stale) and forget it: every rank still waits
         for what it started."""
-        if self.in_flight is not None:
+        if self.state is UnitState.GATHERING:
             self.in_flight()
-            self.in_flight = None
+            self.in_flight, self.state = None, UnitState.FREE
 
     def free(self) -> None:
         for p in self.params:
             if p.full is not None:
                 p.full.untyped_storage().resize_(0)
-        self.gathered = False
+        if self.state is UnitState.GATHERED:
+            self.state = UnitState.FREE
 
 
 class _Held:
@@ -193,6 +210,7 @@ class ShardedModel:
         self.flush_queued = False
         self.by_storage: dict[int, _Unit] = {}
         self.peak_gathered = 0
+        self.converted: dict[nn.Module, Swap] = {}  # traced: a module's parameters converted for its call
         self.saved: set[int] = set()  # the storages autograd saved in this step's forward
         self.saved_bytes = 0  # theirs, together
         self.peak_saved = 0
@@ -209,7 +227,7 @@ class ShardedModel:
                     held.setdefault(module, []).append((name, p, unit))
         for module, entries in held.items():
             module.register_forward_pre_hook(lambda m, a, entries=entries: self._convert(m, entries))
-            module.register_forward_hook(lambda m, a, o, entries=entries: self._restore(m, entries), always_call=True)
+            module.register_forward_hook(lambda m, a, o: self._restore(m), always_call=True)
 
     # forward
     def _enter(self, unit: _Unit, args: tuple, kwargs: dict):
@@ -233,15 +251,19 @@ class ShardedModel:
             unit.note("forward begun")
         else:
             used = [GlobalTensor(p.full, p.compute) for p in unit.params]
-        for p, tensor in zip(unit.params, used):
-            p.use(tensor)
+        unit.swap = Swap(
+            [slot for p in unit.params for slot in p.slots()],
+            [tensor for p, tensor in zip(unit.params, used) for _ in p.owners],
+        )
+        unit.swap.put()
         return args, kwargs
 
     def _leave(self, unit: _Unit) -> None:
         if _traced():
             return
-        for p in unit.params:
-            p.use(None)
+        if unit.swap is not None:
+            unit.swap.put_back()
+            unit.swap = None
         unit.note("forward done")
         # A forward recomputed inside backward (activation checkpointing) keeps its copies: the recomputed
         # tensors saved for the rest of this backward lie in them; the unit's gradient reduction frees them.
@@ -256,16 +278,18 @@ class ShardedModel:
         compiled, not the root's hooks)."""
         if not _traced():
             return
-        for name, p, unit in entries:
-            if not unit.gathered:  # (cast first: gathered in the compute dtype, as eagerly)
-                module._parameters[name] = p.stored.to(p.compute.dtype).to_global(sbp=p.compute.sbp)
+        converting = [(name, p) for name, p, unit in entries if not unit.gathered]
+        swap = Swap(  # (cast first: gathered in the compute dtype, as eagerly)
+            [Slot(module._parameters, name) for name, _ in converting],
+            [p.stored.to(p.compute.dtype).to_global(sbp=p.compute.sbp) for _, p in converting],
+        )
+        swap.put()
+        self.converted[module] = swap
 
-    def _restore(self, module: nn.Module, entries: list) -> None:
-        if not _traced():
-            return
-        for name, p, unit in entries:
-            if not unit.gathered:
-                module._parameters[name] = p.stored
+    def _restore(self, module: nn.Module) -> None:
+        swap = self.converted.pop(module, None)
+        if swap is not None:
+            swap.put_back()
 
     def _begin_step(self) -> None:
         """A forward of the whole model starts: copies gathered before it may be stale (an optimizer step

@@ -11,7 +11,7 @@ from torch.utils._pytree import tree_map
 
 from .. import _comm as comm
 from .._api._global_mode import GlobalMode
-from .._api._module_tensors import module_tensors
+from .._api._module_tensors import Slot, Swap, module_tensors
 from .._layout import GlobalMeta, broadcast
 from .._tensor import GlobalTensor
 from ._counting import measure, meta_global
@@ -75,7 +75,7 @@ class Tracer:
         names; everything else broadcast) for the block; yields the fake parameters by name."""
         fakes: dict[int, GlobalTensor] = {}
         named: dict[str, GlobalTensor] = {}
-        saved = []
+        slots = []
         for full, is_parameter, table, name, t in module_tensors(scope, prefix):
             if id(t) not in fakes:
                 sbp = self.sbp(layouts.get(full, broadcast) if is_parameter else broadcast)
@@ -84,13 +84,9 @@ class Tracer:
                 if is_parameter:
                     self.metas[full] = meta
                     named[full] = fakes[id(t)]
-            saved.append((table, name, t))
-            table[name] = fakes[id(t)]
-        try:
+            slots.append((Slot(table, name), fakes[id(t)]))
+        with Swap([slot for slot, _ in slots], [fake for _, fake in slots]):
             yield named
-        finally:
-            for table, name, t in saved:
-                table[name] = t
 
     @contextlib.contextmanager
     def truncated(self, keep: int = 2):
