@@ -54,6 +54,16 @@ def test_a_plan_covers_every_parameter_and_every_mesh_and_saves_as_json(world, t
     assert not dist.is_initialized()  # the fake world is gone
 
 
+def test_the_search_reports_each_mesh_when_asked_and_is_quiet_by_default_off_a_terminal(capsys):
+    planner.plan(_model(), _batch(), 2)
+    assert capsys.readouterr().err == ""  # (pytest's stderr is no terminal)
+    plan = planner.plan(_model(), _batch(), 2, progress=True)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2  # one a mesh: data 2, tensor 2
+    assert lines[-1].startswith("planning [" + "#" * 24 + "] mesh 2/2 tensor 2")
+    assert f"{plan.search['traces']} traces" in lines[-1]
+
+
 def test_a_tensor_parallel_mesh_splits_the_blocks_linears_in_pairs():
     """On a placement given as 1 x 4 (tensor only) the plan keeps that mesh; with half the memory its first plan
     needs, the blocks' linears are split, columns feeding rows, alike in every block."""

@@ -16,8 +16,9 @@ def _pairs(params: dict, measured, metas) -> list:
 class OptionCosts:
     """Estimates per decision group and option on one mesh, for replicated and sharded storage."""
 
-    def __init__(self, tracer: Tracer, groups: list[Group], costs: CostModel, states: int):
+    def __init__(self, tracer: Tracer, groups: list[Group], costs: CostModel, states: int, on_trace=lambda: None):
         self.tracer, self.groups, self.costs, self.states = tracer, groups, costs, states
+        self.on_trace = on_trace  # called after each trace (the search's progress)
         self.mesh = tracer.mesh
         self.traces = 0
         self.traced: dict[tuple, Estimate] = {}  # (group, option) -> the traced part of its first unit
@@ -51,6 +52,7 @@ class OptionCosts:
                 continue
             measured, params = self.tracer.run_unit(unit, layouts)
             self.traces += 1
+            self.on_trace()
             per_unit.append((from_trace(measured, self.costs), _pairs(params, measured, self.tracer.metas)))
         self.traced[index, option] = per_unit[0][0]
         weights = [1] + [n - 1] if n > 1 else [1]
@@ -72,6 +74,7 @@ class OptionCosts:
         layouts = self.layouts({0: option})
         measured, params = self.tracer.run_model(layouts, keep=1)
         self.traces += 1
+        self.on_trace()
         root_params = {k: v for k, v in params.items() if not in_unit(k, list(self.tracer.containers))}
         trace_est = from_trace(measured, self.costs) - units_base
         trace_est.memory["temporaries"] = max(trace_est.memory.get("temporaries", 0), 0)

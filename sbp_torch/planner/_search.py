@@ -13,6 +13,7 @@ prices what they did with ``_estimate.py`` and the cost model, ``_cost_model.py`
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 
@@ -30,6 +31,7 @@ from ._estimate import OPTIMIZER_STATES, Estimate, step_estimate
 from ._meshes import Mesh, meshes_for, planning_world
 from ._option_costs import OptionCosts
 from ._plan import Plan, Prediction, describe_mesh, sbp_text
+from ._progress import Progress
 from ._tracing import Tracer
 
 
@@ -56,6 +58,7 @@ def plan(
     loss=None,
     exhaustive_limit: int = 27,
     device: str = "cpu",
+    progress: bool | None = None,
 ) -> Plan:
     """The layout of ``model``'s training step on ``world`` ranks with the least predicted step time that fits
     ``memory_per_rank`` bytes (default: the cost model's), found by tracing on global tensors with meta parts: no
@@ -70,6 +73,8 @@ def plan(
         loss: ``output -> scalar`` when the model's output is not the loss and has no ``.loss``.
         exhaustive_limit: a unit with more option combinations than this is searched by coordinate descent.
         device: the device type the plan's placement will have (tracing itself runs on meta parts).
+        progress: report meshes and traces on stderr as the search goes; None: where stderr is a terminal (on
+            rank 0 of a process group).
 
     Raises ``PlanError`` when no layout fits. Inside a process group every rank must call it; the plan is
     rank 0's, the same on every rank."""
@@ -88,14 +93,18 @@ def plan(
         size, meshes = int(world), meshes_for(int(world))
     rows = [t.shape[0] for t in torch.utils._pytree.tree_flatten(example_batch)[0] if isinstance(t, torch.Tensor)]
     best, alternatives, smallest, traces, methods = None, [], None, 0, set()
-    with planning_world(size):
+    reporter = Progress(len(meshes), progress)
+    with planning_world(size), contextlib.closing(reporter):
         groups = None
         for mesh in meshes:
+            reporter.mesh(describe_mesh(mesh.shape, mesh.data_axis, mesh.tensor_axis, False))
             tracer = Tracer(model, example_batch, mesh, loss)
             tracer.run_model({}, record=True)  # records the units' inputs and which modules share one
+            reporter.traced()
             if groups is None:
                 groups = groups_of(model, tracer.module_inputs)
-            tables, searched = _tables(OptionCosts(tracer, groups, costs, states), exhaustive_limit)
+            option_costs = OptionCosts(tracer, groups, costs, states, on_trace=reporter.traced)
+            tables, searched = _tables(option_costs, exhaustive_limit)
             methods.update(searched["methods"])
             traces += searched["traces"] + 1
             n_units = sum(len(g.units) for g in groups[1:])
@@ -114,6 +123,7 @@ def plan(
                 alternatives.append({"label": label, "step_s": est.step_s(costs), "memory_bytes": est.memory_bytes()})
                 if best is None or est.step_s(costs) < best[0].step_s(costs):
                     best = (est, mesh, sharded, dict(enumerate(picks)), tracer)
+            reporter.mesh_done()
     if best is None:
         est, label = smallest
         term, nbytes = max(est.memory.items(), key=lambda kv: kv[1])
