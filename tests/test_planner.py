@@ -117,6 +117,61 @@ def test_an_unmodified_transformers_model_on_the_meta_device_plans_with_dropout_
     assert plan.boundaries == {"transformer.h.*": "S(0), B"}
 
 
+def _tiny_llama(use_cache: bool):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, use_cache=use_cache,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+def test_a_transformers_model_without_its_cache_plans_by_the_values_of_its_position_ids():
+    """With ``use_cache=False`` Llama checks whether its position ids describe packed sequences (a Python branch
+    on a tensor made by ``arange``): the trace follows that value instead of failing on a part with no data."""
+    ids = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(1))
+    model = _tiny_llama(use_cache=False)
+    plan = planner.plan(model, {"input_ids": ids, "labels": ids}, 2)
+    assert set(plan.parameters) == {name for name, _ in model.named_parameters(remove_duplicate=False)}
+
+
+class _Branching(torch.nn.Module):
+    """Reads values on its way: of the batch, of a factory's result, and of one computed from a parameter."""
+
+    def __init__(self, read_parameter: bool):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.read_parameter, self.branches = read_parameter, []
+
+    def forward(self, x, ids):
+        steps = torch.arange(ids.shape[1])
+        self.branches.append((bool((ids == 7).any()), int(steps[-1]), (ids + steps).sum().item()))
+        if self.read_parameter:
+            steps.add_(self.linear.weight.sum().long())  # written from an unknown value: unknown from here
+            self.branches.append(int(steps[0]))
+        return self.linear(x).sum()
+
+
+def test_the_trace_answers_reads_of_the_batchs_and_factories_values_and_refuses_any_other_naming_the_line():
+    ids = torch.tensor([[1, 2, 3], [4, 7, 6]])
+    model = _Branching(read_parameter=False)
+    planner.plan(model, (torch.zeros(2, 4), ids), 2)
+    assert set(model.branches) == {(True, 2, int((ids + torch.arange(3)).sum()))}  # what one process reads
+    with pytest.raises(planner.ValueReadInPlanning, match=r"reads a tensor's value \(__int__\) at .*test_planner\.py"):
+        planner.plan(_Branching(read_parameter=True), (torch.zeros(2, 4), ids), 2)
+
+
+def test_every_cost_model_prices_every_collective_the_package_issues():
+    from sbp_torch._boxing import POINT_TO_POINT as SEND_RECV
+    from sbp_torch._comm import POINT_TO_POINT as EXCHANGE
+
+    kinds = ["all-reduce(sum)", "all-reduce(max)", "reduce-scatter(sum)", "all-gather", "all-to-all", "broadcast"]
+    for costs in (planner.H100, planner.A100, planner.CPU_GLOO):
+        for kind in [*kinds, "all-gather (uneven, as all-to-all)", SEND_RECV, EXCHANGE]:
+            assert costs.collective_s(kind, (0, 1, 2, 3), 1 << 20) > costs.collective_s(kind, (0, 1, 2, 3), 0) > 0
+
+
 def _train(model, plan_or_none, steps=3):
     optimizer = gpt.make_optimizer(model)
     losses = []

@@ -34,7 +34,7 @@ from ._to_global import from_replica
 class GlobalMode(TorchFunctionMode):
     """``global_mode``'s torch function mode; every call other than a factory's passes through unchanged."""
 
-    def __init__(self, placement: Placement, sbp, parts_on_meta: bool = False):
+    def __init__(self, placement: Placement, sbp, parts_on_meta: bool = False, on_factory=None):
         super().__init__()
         if not isinstance(placement, Placement):
             raise TypeError(f"placement must be an sbp_torch.placement, got {type(placement).__name__}")
@@ -42,6 +42,7 @@ class GlobalMode(TorchFunctionMode):
         self.sbp = sbp
         # the planner traces on global tensors whose parts are on the meta device: factories build those too
         self.parts_on_meta = parts_on_meta
+        self.on_factory = on_factory  # (func, args, kwargs, result) after each factory built; the planner's
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -56,7 +57,10 @@ class GlobalMode(TorchFunctionMode):
             or (not compiling() and _called_by_sbp_torch())
         ):
             return func(*args, **kwargs)
-        return build(self, func, args, dict(kwargs))  # (a copy: building edits it)
+        result = build(self, func, args, dict(kwargs))  # (a copy: building edits it)
+        if self.on_factory is not None:
+            self.on_factory(func, args, kwargs, result)
+        return result
 
     def _factory_values_as_global(self, args, kwargs):
         """Dynamo of torch 2.11 records ``arange``, ``eye``, ``linspace``, ``tensor`` and other factories without

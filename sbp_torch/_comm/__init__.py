@@ -4,6 +4,7 @@ rank does when it can no longer stay in step with the others (``_faults.py``).""
 
 from ._agreement import agree
 from ._collectives import (
+    POINT_TO_POINT,
     all_gather,
     all_reduce,
     all_to_all,

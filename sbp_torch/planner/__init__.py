@@ -6,6 +6,7 @@ lays out a batch. ``CostModel`` holds a machine's constants (``H100``, ``A100``,
 
 from ._calibrate import calibrate
 from ._cost_model import A100, CPU_GLOO, H100, CostModel, Link
+from ._known_values import ValueReadInPlanning
 from ._plan import Plan, Prediction
 from ._predict import predict
 from ._search import PlanError, plan
@@ -19,6 +20,7 @@ __all__ = [
     "Plan",
     "PlanError",
     "Prediction",
+    "ValueReadInPlanning",
     "calibrate",
     "plan",
     "predict",

@@ -16,6 +16,9 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
+from .._boxing import POINT_TO_POINT as SEND_RECV
+from .._comm import POINT_TO_POINT as EXCHANGE
+
 
 @dataclass(frozen=True)
 class Link:
@@ -34,7 +37,9 @@ COLLECTIVE_RULES = {
     "all-gather": (lambda n: n - 1, lambda n: n - 1),
     "all-to-all": (lambda n: n - 1, lambda n: (n - 1) / n),
     "broadcast": (lambda n: math.ceil(math.log2(n)), lambda n: 1.0),
-    "point-to-point": (lambda n: 1, lambda n: 1.0),  # the bytes a rank sends to the ranks that need them
+    # the bytes a rank sends to the ranks that need them; as the comm layer names it, and as a boxing plan does
+    EXCHANGE: (lambda n: 1, lambda n: 1.0),
+    SEND_RECV: (lambda n: 1, lambda n: 1.0),
 }
 
 

@@ -22,6 +22,7 @@ from .. import _comm as comm
 from .._api._explain import Collective, recorder
 from .._layout import Broadcast, GlobalMeta
 from .._tensor import GlobalTensor
+from ._known_values import PART_READS, KnownValues, refuse_read
 
 
 @dataclass
@@ -49,9 +50,10 @@ class CountOps(TorchDispatchMode):
     reference goes; a view keeps its base alive), and their peak: the activations, their gradients and every
     temporary of the run, not the parameters."""
 
-    def __init__(self, ops: list):
+    def __init__(self, ops: list, known: KnownValues | None = None):
         super().__init__()
         self.ops = ops
+        self.known = known  # the values the trace follows (``_known_values.py``)
         self.live = 0
         self.peak = 0
 
@@ -66,7 +68,12 @@ class CountOps(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        known = self.known
+        if func in PART_READS and any(isinstance(a, torch.Tensor) and a.device.type == "meta" for a in args):
+            refuse_read(func)
         out = func(*args, **kwargs)
+        if known is not None:
+            known.after_op(func, args, kwargs, out)
         outputs = [o for o in tree_flatten(out)[0] if isinstance(o, GlobalTensor)]
         if outputs:
             if func.is_view:
@@ -95,10 +102,11 @@ def _storage(t: torch.Tensor):
     return StorageWeakRef(t.untyped_storage())
 
 
-def measure(fn, params: list[GlobalTensor]) -> tuple[Measured, object]:
+def measure(fn, params: list[GlobalTensor], known: KnownValues | None = None) -> tuple[Measured, object]:
     """Run ``fn()`` on global tensors with meta parts and the backward of every output that requires grad, each
     with a gradient of ones in its own layout; returns what it did and its output.
-    ``params`` are the leaves whose gradients are reported (and left unset afterwards)."""
+    ``params`` are the leaves whose gradients are reported (and left unset afterwards); ``known``: the values the
+    run follows, to answer the model's reads of values."""
     found = Measured()
     phase = {"backward": False}
     weights = {_storage(p._local) for p in params}
@@ -115,7 +123,7 @@ def measure(fn, params: list[GlobalTensor]) -> tuple[Measured, object]:
 
     for p in params:
         p.grad = None
-    counting = CountOps(found.ops)
+    counting = CountOps(found.ops, known)
     with comm.observing(recorder(found.collectives, phase), estimate=True), counting:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = fn()

@@ -16,6 +16,7 @@ from .._layout import GlobalMeta, broadcast
 from .._tensor import GlobalTensor
 from ._counting import measure, meta_global
 from ._decisions import options_of, unit_containers
+from ._known_values import AnswerReads, KnownValues
 from ._meshes import Mesh
 from ._pins import BoundaryPin
 
@@ -30,12 +31,16 @@ def _loss_of(output, loss):
     raise TypeError(f"the model returned {type(output).__name__}: pass loss=<output -> scalar tensor> to plan")
 
 
-def _detached(a):
-    """An input recorded for a unit traced alone: global tensors cut from the graph that made them, and a
-    ``transformers`` key/value cache left out (None), since the cache the recording run filled would feed its
-    tensors to every rerun, and a training step never reads it."""
+def _detached(a, known: KnownValues):
+    """An input recorded for a unit traced alone: global tensors cut from the graph that made them (their values
+    known where they were), and a ``transformers`` key/value cache left out (None), since the cache the recording
+    run filled would feed its tensors to every rerun, and a training step never reads it."""
     if isinstance(a, GlobalTensor):
-        return a.detach().requires_grad_(a.requires_grad)
+        cut = a.detach().requires_grad_(a.requires_grad)
+        value = known.value_of(a)
+        if value is not None:
+            known.add(cut, value)
+        return cut
     if hasattr(a, "get_seq_length"):
         return None
     return a
@@ -54,6 +59,7 @@ class Tracer:
         self.unit_args: dict[str, tuple] = {}
         self.module_inputs: dict[str, int] = {}
         self.metas: dict[str, GlobalMeta] = {}  # parameter name -> compute meta of the last run
+        self.known = KnownValues()  # the batch's values, and those the runs computed from it and from factories
 
     def sbp(self, tensor_sbp) -> tuple:
         """The whole SBP of a parameter whose SBP on the tensor axis is ``tensor_sbp`` (a tuple is whole already)."""
@@ -65,7 +71,9 @@ class Tracer:
         def one(x):
             if not isinstance(x, torch.Tensor):
                 return x
-            return meta_global(GlobalMeta(tuple(x.shape), x.dtype, self.placement, self.mesh.rows_split(x.dim())))
+            laid_out = meta_global(GlobalMeta(tuple(x.shape), x.dtype, self.placement, self.mesh.rows_split(x.dim())))
+            self.known.add(laid_out, x.detach().cpu().contiguous())  # (as the laid-out tensor's strides say)
+            return laid_out
 
         return tree_map(one, self.batch)
 
@@ -127,7 +135,7 @@ class Tracer:
 
     def _recorder(self, unit):
         def record(module, args, kwargs):
-            self.unit_args[unit] = tree_map(_detached, (args, kwargs))
+            self.unit_args[unit] = tree_map(lambda a: _detached(a, self.known), (args, kwargs))
 
         return record
 
@@ -145,7 +153,7 @@ class Tracer:
         with self.truncated(keep), self.hooks(record, pinned), self.swapped(self.model, layouts, "") as params:
 
             def step():
-                with GlobalMode(self.placement, broadcast, parts_on_meta=True):
+                with self.global_mode():
                     batch = self.batch_globals()
                     if isinstance(batch, dict):
                         output = self.model(**batch)
@@ -155,8 +163,16 @@ class Tracer:
                         output = self.model(batch)
                     return _loss_of(output, self.loss)
 
-            measured, _ = measure(step, list(params.values()))
+            measured, _ = measure(step, list(params.values()), self.known)
         return measured, params
+
+    @contextlib.contextmanager
+    def global_mode(self):
+        """Factories inside the model build global tensors with meta parts, their values followed where known."""
+        # (the reads' mode below global mode: global mode takes factories called from sbp_torch's code as its own)
+        with AnswerReads(self.known):
+            with GlobalMode(self.placement, broadcast, parts_on_meta=True, on_factory=self.known.factory_built):
+                yield
 
     def alike(self, first: str, second: str) -> bool:
         """Whether two units have the same parameters and were called with inputs of the same layouts."""
@@ -173,16 +189,16 @@ class Tracer:
         """One unit alone, from the inputs the recording run gave it, its hidden state pinned at both edges."""
         module = self.modules[unit]
         args, kwargs = self.unit_args[unit]
-        args, kwargs = tree_map(_detached, (args, kwargs))
+        args, kwargs = tree_map(lambda a: _detached(a, self.known), (args, kwargs))
         pin = BoundaryPin.install(module, self.boundary)
         try:
             with self.swapped(module, layouts, unit) as params:
 
                 def forward():
-                    with GlobalMode(self.placement, broadcast, parts_on_meta=True):
+                    with self.global_mode():
                         return module(*args, **kwargs)
 
-                measured, _ = measure(forward, list(params.values()))
+                measured, _ = measure(forward, list(params.values()), self.known)
         finally:
             pin.remove()
         return measured, params
