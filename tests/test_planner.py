@@ -41,7 +41,7 @@ def test_a_plan_covers_every_parameter_and_every_mesh_and_saves_as_json(world, t
     tried = {a["label"] for a in plan.alternatives}
     assert f"data {world}" in tried and f"tensor {world}" in tried and f"sharded data {world}" in tried
     assert (world == 4) == ("data 2 x tensor 2" in tried)
-    assert plan.predicted.step_s == min(a["step_s"] for a in plan.alternatives)
+    assert plan.predicted.step_s == min(a["step_s"] for a in plan.alternatives if not a.get("replicated"))
     assert plan.boundaries == {
         "blocks.*": ", ".join("S(0)" if a == plan.data_axis else "B" for a in range(len(plan.mesh)))
     }
@@ -62,6 +62,38 @@ def test_the_search_reports_each_mesh_when_asked_and_is_quiet_by_default_off_a_t
     assert len(lines) == 2  # one a mesh: data 2, tensor 2
     assert lines[-1].startswith("planning [" + "#" * 24 + "] mesh 2/2 tensor 2")
     assert f"{plan.search['traces']} traces" in lines[-1]
+
+
+def test_a_layout_that_runs_the_whole_step_on_every_rank_of_its_tensor_axis_is_never_chosen():
+    """With a second of latency per message, data 2 x tensor 2 with nothing split over tensor is predicted faster
+    than data 4 (its all-reduces span 2 ranks, not 4), yet it only repeats data 2's step on twice the ranks."""
+    slow_messages = planner.CPU_GLOO.with_(intra=planner.Link(1.0, 1e9), inter=planner.Link(1.0, 1e9))
+    plan = planner.plan(_model(), _batch(8), 4, costs=slow_messages)
+    replicated = [a for a in plan.alternatives if a.get("replicated")]
+    assert replicated and min(a["step_s"] for a in replicated) < plan.predicted.step_s
+    assert "nothing split" not in plan.label
+    assert "(nothing split over tensor: not chosen)" in str(plan)
+
+
+def _measured_plan_job():
+    plan = planner.plan(_model(), _batch(8), 2, measure=2)
+    return plan.to_json()
+
+
+@pytest.mark.gloo
+def test_plan_measure_times_the_best_predicted_layouts_and_takes_the_fastest_measured():
+    plans = [planner.Plan.from_json(text) for text in run_on_world(2, _measured_plan_job, _timeout=240)]
+    assert all(p.to_json() == plans[0].to_json() for p in plans)  # every rank took rank 0's measurements
+    plan = plans[0]
+    timed = {a["label"]: a["measured_s"] for a in plan.alternatives if a.get("measured_s") is not None}
+    assert len(timed) == 2 and plan.search["measured"] == 2
+    assert plan.measured_s == min(timed.values()) == timed[plan.label] > 0
+    assert "measured step" in str(plan) and "measured ms" in str(plan)
+
+
+def test_plan_measure_needs_a_process_group_of_the_planned_size():
+    with pytest.raises(ValueError, match="call it on every rank of a process group of 2 ranks"):
+        planner.plan(_model(), _batch(8), 2, measure=2)
 
 
 def test_a_tensor_parallel_mesh_splits_the_blocks_linears_in_pairs():

@@ -79,7 +79,10 @@ class Plan:
         parameters: full parameter name -> its SBP (text, one entry per placement axis) while computing.
         boundaries: unit name pattern -> the hidden state's SBP at the unit's input and output.
         decisions: per group (the root ``""``, or a unit pattern) the option each set of modules took.
-        predicted: the planner's estimate; ``alternatives``: the best estimate of every mesh and storage tried.
+        predicted: the planner's estimate; ``alternatives``: the best estimate of every mesh and storage tried
+            (``replicated``: nothing split over its tensor axis, never chosen while another fits; ``measured_s``:
+            its timed step, where ``plan(measure=k)`` timed it).
+        measured_s: the median seconds of a real step, where ``plan(measure=k)`` timed it (None otherwise).
     """
 
     world_size: int
@@ -95,6 +98,7 @@ class Plan:
     device: str = "cpu"
     search: dict = field(default_factory=dict)
     alternatives: list = field(default_factory=list)
+    measured_s: float | None = None
 
     @property
     def label(self) -> str:
@@ -159,6 +163,8 @@ class Plan:
             "  collectives per step: " + ", ".join(f"{k} {round(v)}" for k, v in sorted(p.collectives.items()) if v),
             "",
         ]
+        if self.measured_s is not None:
+            lines.insert(2, f"  measured step {self.measured_s * 1e3:.3f} ms (median of timed steps, eager)")
         for group, chosen in self.decisions.items():
             lines += [
                 f"  {group or '(root)'}: " + ", ".join(f"{modules} {option}" for modules, option in chosen.items())
@@ -168,10 +174,9 @@ class Plan:
         lines += [f"  {name:48} {text}" for name, text in split.items()]
         lines += [f"  boundary {pattern}: {text}" for pattern, text in self.boundaries.items()]
         if self.alternatives:
-            lines += ["", f"  {'layout tried':32} {'step ms':>10} {'memory':>12}"]
-            lines += [
-                f"  {a['label']:32} {a['step_s'] * 1e3:>10.3f} {_mib(a['memory_bytes']):>12}" for a in self.alternatives
-            ]
+            timed = any(a.get("measured_s") is not None for a in self.alternatives)
+            lines += ["", f"  {'layout tried':32} {'step ms':>10} {'memory':>12}" + (f" {'measured ms':>12}" * timed)]
+            lines += [_alternative_line(a, timed) for a in self.alternatives]
         if self.search:
             lines += ["", "  search: " + ", ".join(f"{k} {v}" for k, v in self.search.items())]
         return "\n".join(lines)
@@ -205,6 +210,14 @@ def describe_mesh(mesh, data_axis, tensor_axis, sharded) -> str:
     if tensor_axis is not None:
         parts.append(f"tensor {mesh[tensor_axis]}")
     return " x ".join(parts)
+
+
+def _alternative_line(alternative: dict, timed: bool) -> str:
+    line = f"  {alternative['label']:32} {alternative['step_s'] * 1e3:>10.3f} {_mib(alternative['memory_bytes']):>12}"
+    if timed:
+        measured = alternative.get("measured_s")
+        line += f" {'-' if measured is None else f'{measured * 1e3:.3f}':>12}"
+    return line + ("  (nothing split over tensor: not chosen)" if alternative.get("replicated") else "")
 
 
 def _mib(nbytes: float) -> str:

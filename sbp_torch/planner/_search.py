@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -32,6 +33,7 @@ from ._meshes import Mesh, meshes_for, planning_world
 from ._option_costs import OptionCosts
 from ._plan import Plan, Prediction, describe_mesh, sbp_text
 from ._progress import Progress
+from ._timing import step_seconds
 from ._tracing import Tracer
 
 
@@ -59,6 +61,7 @@ def plan(
     exhaustive_limit: int = 27,
     device: str = "cpu",
     progress: bool | None = None,
+    measure: int = 0,
 ) -> Plan:
     """The layout of ``model``'s training step on ``world`` ranks with the least predicted step time that fits
     ``memory_per_rank`` bytes (default: the cost model's), found by tracing on global tensors with meta parts: no
@@ -75,6 +78,12 @@ def plan(
         device: the device type the plan's placement will have (tracing itself runs on meta parts).
         progress: report meshes and traces on stderr as the search goes; None: where stderr is a terminal (on
             rank 0 of a process group).
+        measure: inside a process group of ``world`` ranks, time the ``measure`` layouts predicted fastest for a few
+            real steps (eager, on copies of ``model``, with ``example_batch``) and take the fastest measured; the
+            plan and its ``alternatives`` record the measured times. 0: take the fastest predicted.
+
+    A layout that runs the whole step on every rank of its tensor axis (nothing split over it) is never taken
+    while another fits: the same step without that axis does the same work on more data per rank.
 
     Raises ``PlanError`` when no layout fits. Inside a process group every rank must call it; the plan is
     rank 0's, the same on every rank."""
@@ -83,6 +92,11 @@ def plan(
     states = optimizer_states(optimizer)
     if any(isinstance(p, GlobalTensor) for p in model.parameters()):
         raise ValueError("plan takes a model that is not laid out yet: plan first, then model.to_global(plan)")
+    if measure and not (dist.is_initialized() and dist.get_world_size() == _world_size(world)):
+        raise ValueError(f"plan(measure={measure}) times real steps: call it on every rank of a process group of "
+                         f"{_world_size(world)} ranks")  # fmt: skip
+    if measure and any(p.device.type == "meta" for p in model.parameters()):
+        raise ValueError(f"plan(measure={measure}) times real steps: the model's parameters must hold data, not meta")
     if isinstance(world, Placement):
         size = math.prod(world.shape)
         if world.ndim == 2:  # (its shape, data over tensor, even where an axis has one rank)
@@ -92,7 +106,7 @@ def plan(
     else:
         size, meshes = int(world), meshes_for(int(world))
     rows = [t.shape[0] for t in torch.utils._pytree.tree_flatten(example_batch)[0] if isinstance(t, torch.Tensor)]
-    best, alternatives, smallest, traces, methods = None, [], None, 0, set()
+    candidates, smallest, traces, methods = [], None, 0, set()
     reporter = Progress(len(meshes), progress)
     with planning_world(size), contextlib.closing(reporter):
         groups = None
@@ -119,48 +133,98 @@ def plan(
                     continue
                 est = _assemble(tables, picks, sharded)
                 est = est + step_estimate(costs, tracer.placement, mesh.data_axis, sharded, n_units + 1, est.reduced)
-                label = describe_mesh(mesh.shape, mesh.data_axis, mesh.tensor_axis, sharded)
-                alternatives.append({"label": label, "step_s": est.step_s(costs), "memory_bytes": est.memory_bytes()})
-                if best is None or est.step_s(costs) < best[0].step_s(costs):
-                    best = (est, mesh, sharded, dict(enumerate(picks)), tracer)
+                candidates.append(_Candidate(est, mesh, sharded, dict(enumerate(picks)), tracer))
             reporter.mesh_done()
-    if best is None:
+    if not candidates:
         est, label = smallest
         term, nbytes = max(est.memory.items(), key=lambda kv: kv[1])
         raise PlanError(
             f"no layout fits {budget / 2**20:.1f} MiB per rank: the smallest found needs "
             f"{est.memory_bytes() / 2**20:.1f} MiB ({label}), most of it {term} ({nbytes / 2**20:.1f} MiB)"
         )
-    est, mesh, sharded, choice, tracer = best
-    layouts = parameter_layouts(model, groups, choice)
-    names = [name for name, _ in model.named_parameters(remove_duplicate=False)]
-    found = Plan(
-        world_size=size,
-        mesh=mesh.shape,
-        data_axis=mesh.data_axis,
-        tensor_axis=mesh.tensor_axis,
-        sharded=sharded,
-        parameters={name: sbp_text(tracer.sbp(layouts.get(name, broadcast))) for name in names},
-        boundaries={g.pattern(): sbp_text(tracer.boundary) for g in groups[1:]},
-        decisions={
-            g.pattern(): {d.label: option for d, option in zip(g.decisions, choice[i])} for i, g in enumerate(groups)
-        },
-        predicted=Prediction.of(est, costs),
-        cost_model=costs.name,
-        device=device,
-        search={
-            "batch rows": rows[0] if rows else None,
-            "traces": traces,
-            "method": ", ".join(sorted(methods)) or "exhaustive",
-            "seconds": round(time.perf_counter() - started, 2),
-        },
-        alternatives=sorted(alternatives, key=lambda a: a["step_s"]),
-    )
-    if dist.is_initialized() and dist.get_world_size() > 1:  # a real group: every rank applies rank 0's plan
-        shared = [found.to_json()]
-        dist.broadcast_object_list(shared, src=0)
-        found = Plan.from_json(shared[0])
-    return found
+    ranked = sorted(candidates, key=lambda c: (c.replicated(), c.est.step_s(costs)))
+    if not ranked[0].replicated():
+        ranked = [c for c in ranked if not c.replicated()]
+    search = {
+        "batch rows": rows[0] if rows else None,
+        "traces": traces,
+        "method": ", ".join(sorted(methods)) or "exhaustive",
+        "seconds": 0.0,
+    }
+    alternatives = sorted((c.summary(costs) for c in candidates), key=lambda a: a["step_s"])
+    plans = [c.plan(model, groups, size, costs, device, search, alternatives) for c in ranked[: max(measure, 1)]]
+    plans = _rank_0s(plans)  # (in a real group every rank applies, and measures, rank 0's plans)
+    found = plans[0]
+    if measure:
+        measured = {p.label: step_seconds(model, example_batch, p, optimizer, loss) for p in plans}
+        found = min(plans, key=lambda p: measured[p.label])
+        found.measured_s = measured[found.label]
+        for alternative in found.alternatives:
+            alternative["measured_s"] = measured.get(alternative["label"])
+        found.search["measured"] = len(plans)
+    found.search["seconds"] = round(time.perf_counter() - started, 2)
+    return _rank_0s([found])[0]
+
+
+def _rank_0s(plans: list[Plan]) -> list[Plan]:
+    """Rank 0's plans on every rank of a process group (the plans as they are outside one)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return plans
+    shared = [[p.to_json() for p in plans]]
+    dist.broadcast_object_list(shared, src=0)
+    return [Plan.from_json(text) for text in shared[0]]
+
+
+def _world_size(world) -> int:
+    return math.prod(world.shape) if isinstance(world, Placement) else int(world)
+
+
+class _Candidate(NamedTuple):
+    """The best choice found for one mesh and storage."""
+
+    est: Estimate
+    mesh: Mesh
+    sharded: bool
+    choice: dict  # group index -> the option of each of its decisions
+    tracer: Tracer
+
+    def label(self) -> str:
+        return describe_mesh(self.mesh.shape, self.mesh.data_axis, self.mesh.tensor_axis, self.sharded)
+
+    def replicated(self) -> bool:
+        """Whether every rank of the tensor axis runs the whole step (nothing split over it)."""
+        axis = self.mesh.tensor_axis
+        if axis is None or self.mesh.shape[axis] == 1:
+            return False
+        return all(option == "replicate" for options in self.choice.values() for option in options)
+
+    def summary(self, costs: CostModel) -> dict:
+        summary = {"label": self.label(), "step_s": self.est.step_s(costs), "memory_bytes": self.est.memory_bytes()}
+        if self.replicated():
+            summary["replicated"] = True
+        return summary
+
+    def plan(self, model, groups, size, costs, device, search, alternatives) -> Plan:
+        layouts = parameter_layouts(model, groups, self.choice)
+        names = [name for name, _ in model.named_parameters(remove_duplicate=False)]
+        return Plan(
+            world_size=size,
+            mesh=self.mesh.shape,
+            data_axis=self.mesh.data_axis,
+            tensor_axis=self.mesh.tensor_axis,
+            sharded=self.sharded,
+            parameters={name: sbp_text(self.tracer.sbp(layouts.get(name, broadcast))) for name in names},
+            boundaries={g.pattern(): sbp_text(self.tracer.boundary) for g in groups[1:]},
+            decisions={
+                g.pattern(): {d.label: option for d, option in zip(g.decisions, self.choice[i])}
+                for i, g in enumerate(groups)
+            },
+            predicted=Prediction.of(self.est, costs),
+            cost_model=costs.name,
+            device=device,
+            search=dict(search),
+            alternatives=[dict(a) for a in alternatives],
+        )
 
 
 def _tables(option_costs: OptionCosts, limit: int) -> tuple[list[dict], dict]:

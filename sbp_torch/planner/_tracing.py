@@ -21,7 +21,15 @@ from ._meshes import Mesh
 from ._pins import BoundaryPin
 
 
-def _loss_of(output, loss):
+def step_loss(model, batch, loss):
+    """The loss of one training step: ``model`` called on ``batch`` (keyword arguments from a dict, positional from
+    a tuple or list, else the one argument), then ``loss(output)``, else ``output.loss``, else the output (summed)."""
+    if isinstance(batch, dict):
+        output = model(**batch)
+    elif isinstance(batch, (tuple, list)):
+        output = model(*batch)
+    else:
+        output = model(batch)
     if loss is not None:
         return loss(output)
     if getattr(output, "loss", None) is not None:
@@ -154,14 +162,7 @@ class Tracer:
 
             def step():
                 with self.global_mode():
-                    batch = self.batch_globals()
-                    if isinstance(batch, dict):
-                        output = self.model(**batch)
-                    elif isinstance(batch, (tuple, list)):
-                        output = self.model(*batch)
-                    else:
-                        output = self.model(batch)
-                    return _loss_of(output, self.loss)
+                    return step_loss(self.model, self.batch_globals(), self.loss)
 
             measured, _ = measure(step, list(params.values()), self.known)
         return measured, params
