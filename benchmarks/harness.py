@@ -9,7 +9,7 @@ A suite is a module of ``benchmarks/suites`` with
 
 ``python -m benchmarks.run --suite NAME`` launches the ranks (``torchrun``), gathers rows into
 ``docs/benchmarks/<suite>.json`` and writes the markdown table and plot next to it. ``DOCS`` is that folder:
-everything a benchmark writes, suite or script, goes there.
+everything a benchmark (suite or script) or a diagnostic (``diagnostics/``) writes goes there.
 
 Timing: ``timed(fn)`` runs ``fn`` after warm-up, ``repeats`` times, with all ranks starting each repetition
 together (a barrier outside the timed region) and each repetition's time being the slowest rank's, since
