@@ -18,12 +18,15 @@ a collective step is as slow as its slowest rank. Results are medians with the i
 
 What suites share lives here once, and no suite imports another's private helpers: timers, the measured code
 and machine load (``code_state``, ``load_note``), cell formatting (``fmt``, ``ratio``, ``fmt_rate``,
-``rate_ratio``), layout names and meshes (``LAYOUT_NAMES``, ``meshes``, the ``sbp``/``dtensor_placement`` of a
-layout token), training steps that may fail (``Guarded``, ``train_in_turns``) and the profiled peak memory.
+``rate_ratio``), layout names and meshes (``LAYOUT_NAMES``, ``meshes``, ``RankGrid``, the
+``sbp``/``dtensor_placement`` of a layout token), training steps that may fail (``Guarded``, ``train_in_turns``) and
+the profiled peak memory.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 import os
 import platform
 import statistics
@@ -192,6 +195,23 @@ def relative_difference(got: list[float], want: list[float]) -> float:
 def meshes(world: int) -> list[tuple[int, ...]]:
     """The mesh shapes a suite runs on ``world`` ranks: 1-D, and 2x2 on 4."""
     return [(world,)] if world != 4 else [(4,), (2, 2)]
+
+
+class RankGrid:
+    """The ranks of a mesh of ``shape``, row-major (``(2, 2)``: ranks ``[[0, 1], [2, 3]]``), as both libraries hold
+    them: sbp_torch's ``placement`` and DTensor's ``mesh``; this rank's ``coord`` on them, and the ``name`` tables
+    give the mesh (``"2x2"``)."""
+
+    def __init__(self, shape: tuple[int, ...]):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        import sbp_torch as st
+
+        self.shape = shape
+        self.name = "x".join(map(str, shape))
+        self.placement = st.placement("cpu", torch.arange(math.prod(shape)).view(shape).tolist())
+        self.mesh = init_device_mesh("cpu", shape)
+        self.coord = list(itertools.product(*(range(n) for n in shape)))[dist.get_rank()]
 
 
 def sbp(token: str):
