@@ -50,14 +50,6 @@ ROWS, SEQ = 8, 32
 VARIANTS = ["DP", "EP", "DP x EP", "hand DP", "hand EP"]
 
 
-def _batches(steps: int) -> list[dict]:
-    generator = torch.Generator().manual_seed(1234)
-    return [
-        {"input_ids": ids, "labels": ids}
-        for ids in (torch.randint(0, moe.VOCAB, (ROWS, SEQ), generator=generator) for _ in range(steps))
-    ]
-
-
 class _HandExperts:
     """The forward of one experts module in the hand-written program: this rank holds experts ``[start, start +
     count)``; every rank holds the same number or one fewer (balanced parts)."""
@@ -202,7 +194,7 @@ def measure(world: int, quick: bool) -> list[dict]:
     rounds, warmup = (4, 1) if quick else (20, 3)
     rows = []
     for name in moe.MODELS:
-        batches = _batches(5)
+        batches = moe.batches(5, ROWS, seq=SEQ)
         want, _ = training.train(moe.make(name), batches)
         steps = {v: _variant(name, v) for v in VARIANTS}
         losses = {v: [step(step.prepare(b)) for b in batches] for v, step in steps.items()}  # and warm-up
