@@ -14,21 +14,80 @@
 #include <Python.h>
 #include <math.h>
 
-static PyObject *GlobalTensorType;  /* sbp_torch's GlobalTensor */
-static PyObject *TensorType;        /* torch.Tensor */
-static PyObject *CallPlanType;      /* _call_plan.CallPlan */
-static PyObject *Entries;           /* CALLS._entries: key -> [entry, stamp] */
-static PyObject *Clock;             /* CALLS._clock: the stamps */
-static PyObject *Recorder;          /* the ContextVar of _dispatcher.recording */
-static PyObject *Detach;            /* aten.detach.default */
-static PyObject *SlowDispatch;      /* _dispatcher.dispatch(func, args, kwargs) */
-static PyObject *ScalarPositions;   /* func -> op_schema(func).scalar_positions */
-static PyObject *CheckedGlobal;     /* _call_plan.checked_global(func, local, meta, shape) */
-static PyObject *LocalFailure;      /* _comm.local_failure(func, err, placement, local_inputs) */
-static PyObject *MakeWrapper;       /* torch.Tensor._make_wrapper_subclass */
-static PyObject *Strided;           /* torch.strided */
-static PyObject *OpOverloadType;    /* torch._ops.OpOverload: its __call__ is ``self._op(*args)`` */
-static PyObject *Facts;             /* id(func) -> (func, scalar positions, func._op), kept for good */
+/* One object a configure call keeps: the keyword it comes by, where it is kept, and a check it must pass (NULL:
+   none), which raises a TypeError naming the keyword and returns -1 where the object does not pass. */
+typedef struct {
+    const char *keyword;
+    PyObject **slot;
+    int (*check)(const char *keyword, PyObject *value);
+} Configured;
+
+/* One string the hit paths read attributes by: its text and where the interned string is kept. */
+typedef struct {
+    const char *text;
+    PyObject **slot;
+} Interned;
+
+#define ROWS(table) (sizeof(table) / sizeof((table)[0]))
+
+static int a_dict(const char *keyword, PyObject *value) {
+    if (PyDict_Check(value)) return 0;
+    PyErr_Format(PyExc_TypeError, "%s must be a dict", keyword);
+    return -1;
+}
+
+static int a_set(const char *keyword, PyObject *value) {
+    if (PyAnySet_Check(value)) return 0;
+    PyErr_Format(PyExc_TypeError, "%s must be a set or a frozenset", keyword);
+    return -1;
+}
+
+/* Keep, for each row of ``table``, the keyword argument of its keyword: 0, or -1 with an error set where any is
+   missing or fails its check, where another keyword or a positional argument is given (nothing is kept then). */
+static int keep_configured(const char *function, const Configured *table, size_t rows, PyObject *args,
+                           PyObject *kwargs) {
+    Py_ssize_t given = kwargs == NULL ? 0 : PyDict_GET_SIZE(kwargs);
+    if (PyTuple_GET_SIZE(args) > 0 || given != (Py_ssize_t)rows) {
+        PyErr_Format(PyExc_TypeError, "%s() takes %zu keyword arguments and nothing else", function, rows);
+        return -1;
+    }
+    for (size_t i = 0; i < rows; i++) { /* (all checked before anything is kept) */
+        PyObject *value = PyDict_GetItemString(kwargs, table[i].keyword);
+        if (value == NULL) {
+            PyErr_Format(PyExc_TypeError, "%s() is missing the keyword argument %s", function, table[i].keyword);
+            return -1;
+        }
+        if (table[i].check != NULL && table[i].check(table[i].keyword, value) < 0) return -1;
+    }
+    for (size_t i = 0; i < rows; i++) {
+        PyObject *value = PyDict_GetItemString(kwargs, table[i].keyword);
+        Py_INCREF(value);
+        Py_XSETREF(*table[i].slot, value);
+    }
+    return 0;
+}
+
+static PyObject *GlobalTensorType, *TensorType, *CallPlanType, *Entries, *Clock, *Recorder, *Detach, *SlowDispatch,
+    *ScalarPositions, *CheckedGlobal, *LocalFailure, *MakeWrapper, *Strided, *OpOverloadType;
+static PyObject *Facts; /* id(func) -> (func, scalar positions, func._op), kept for good */
+
+/* What configure keeps: the keyword sbp_torch/_dispatch/_native.py gives it by, where it is kept, its check. */
+static const Configured DISPATCH_OBJECTS[] = {
+    {"global_tensor", &GlobalTensorType, NULL},     /* sbp_torch's GlobalTensor */
+    {"tensor", &TensorType, NULL},                  /* torch.Tensor */
+    {"call_plan", &CallPlanType, NULL},             /* _call_plan.CallPlan */
+    {"entries", &Entries, a_dict},                  /* CALLS._entries: key -> [entry, stamp] */
+    {"clock", &Clock, NULL},                        /* CALLS._clock: the stamps */
+    {"recorder", &Recorder, NULL},                  /* the ContextVar of _dispatcher.recording */
+    {"detach", &Detach, NULL},                      /* aten.detach.default */
+    {"slow_dispatch", &SlowDispatch, NULL},         /* _dispatcher.dispatch(func, args, kwargs) */
+    {"scalar_positions", &ScalarPositions, NULL},   /* func -> op_schema(func).scalar_positions */
+    {"checked_global", &CheckedGlobal, NULL},       /* _call_plan.checked_global(func, local, meta, shape) */
+    {"local_failure", &LocalFailure, NULL},         /* _comm.local_failure(func, err, placement, local_inputs) */
+    {"make_wrapper", &MakeWrapper, NULL},           /* torch.Tensor._make_wrapper_subclass */
+    {"strided", &Strided, NULL},                    /* torch.strided */
+    {"op_overload", &OpOverloadType, NULL},         /* torch._ops.OpOverload: its __call__ is ``self._op(*args)`` */
+};
 
 static PyObject *s_local, *s_meta, *s_func, *s_simple, *s_op, *s_decision, *s_outputs, *s_local_shapes,
     *s_returns_written, *s_shape, *s_strides, *s_dtype, *s_device, *s_is_conj, *s_is_neg, *s_placement,
@@ -511,26 +570,8 @@ done:
     return result;
 }
 
-static PyObject *configure(PyObject *module, PyObject *kw_args, PyObject *kwargs) {
-    static char *names[] = {"global_tensor", "tensor", "call_plan", "entries", "clock", "recorder", "detach",
-                            "slow_dispatch", "scalar_positions", "checked_global", "local_failure",
-                            "make_wrapper", "strided", "op_overload", NULL};
-    PyObject *values[14];
-    if (!PyArg_ParseTupleAndKeywords(kw_args, kwargs, "OOOOOOOOOOOOOO", names, &values[0], &values[1],
-                                     &values[2], &values[3], &values[4], &values[5], &values[6], &values[7],
-                                     &values[8], &values[9], &values[10], &values[11], &values[12], &values[13]))
-        return NULL;
-    if (!PyDict_Check(values[3])) { /* (checked before anything is kept) */
-        PyErr_SetString(PyExc_TypeError, "entries must be the call cache's dict");
-        return NULL;
-    }
-    PyObject **slots[14] = {&GlobalTensorType, &TensorType, &CallPlanType, &Entries, &Clock, &Recorder, &Detach,
-                            &SlowDispatch, &ScalarPositions, &CheckedGlobal, &LocalFailure, &MakeWrapper,
-                            &Strided, &OpOverloadType};
-    for (int i = 0; i < 14; i++) {
-        Py_INCREF(values[i]);
-        Py_XSETREF(*slots[i], values[i]);
-    }
+static PyObject *configure(PyObject *module, PyObject *args, PyObject *kwargs) {
+    if (keep_configured("configure", DISPATCH_OBJECTS, ROWS(DISPATCH_OBJECTS), args, kwargs) < 0) return NULL;
     configured = 1;
     Py_RETURN_NONE;
 }
@@ -538,20 +579,29 @@ static PyObject *configure(PyObject *module, PyObject *kw_args, PyObject *kwargs
 /* ---- Local calls (sbp_torch/_frontend/_local_calls.py): ``_local_or_below_autograd`` with torch functions off. ---- */
 
 static int local_configured = 0;
-static PyObject *LocalEntries, *LocalClock;  /* LOCAL_CALLS._entries and ._clock */
-static PyObject *LocalPop;                   /* LOCAL_CALLS.pop */
-static PyObject *FloatsByType;               /* FLOATS_BY_TYPE */
-static PyObject *Refused;                    /* _REFUSED */
-static PyObject *LocalCallType;              /* LocalCall */
-static PyObject *PythonLocalOrBelow;         /* the Python _local_or_below_autograd, for what C leaves */
-static PyObject *ValuesRead;                 /* (func, err) -> raises the TypeError of a C++ composite reading values */
-static PyObject *IncrementVersion;           /* torch._C._increment_version */
-static PyObject *DispatchModes;              /* torch._C._len_torch_dispatch_stack */
-static PyObject *Autocast;                   /* torch._C._is_any_autocast_enabled */
-static PyObject *GradEnabled;                /* torch.is_grad_enabled */
-static PyObject *NotHandled;                 /* _local_calls.NOT_HANDLED */
-static PyObject *SpecialFuncs;   /* functions __torch_function__ rewrites (batched matmul, attention, writes) */
-static PyObject *CompileTLS;                 /* torch._guards._TLS: its compile_context is set while compiling */
+static PyObject *LocalEntries, *LocalClock, *LocalPop, *FloatsByType, *Refused, *LocalCallType, *PythonLocalOrBelow,
+    *ValuesRead, *IncrementVersion, *DispatchModes, *Autocast, *GradEnabled, *NotHandled, *SpecialFuncs, *CompileTLS;
+
+/* What configure_local keeps: the keyword sbp_torch/_frontend/_torch_function.py gives it by, where it is kept, its
+   check. */
+static const Configured LOCAL_OBJECTS[] = {
+    {"entries", &LocalEntries, a_dict},             /* LOCAL_CALLS._entries: key -> [entry, stamp] */
+    {"clock", &LocalClock, NULL},                   /* LOCAL_CALLS._clock: the stamps */
+    {"pop", &LocalPop, NULL},                       /* LOCAL_CALLS.pop */
+    {"floats_by_type", &FloatsByType, a_set},       /* FLOATS_BY_TYPE */
+    {"refused", &Refused, NULL},                    /* _REFUSED */
+    {"local_call", &LocalCallType, NULL},           /* LocalCall */
+    {"python", &PythonLocalOrBelow, NULL},          /* the Python _local_or_below_autograd, for what C leaves */
+    {"values_read", &ValuesRead, NULL},             /* (func, err): raises that a C++ composite read values */
+    {"increment_version", &IncrementVersion, NULL}, /* torch._C._increment_version */
+    {"dispatch_modes", &DispatchModes, NULL},       /* torch._C._len_torch_dispatch_stack */
+    {"autocast", &Autocast, NULL},                  /* torch._C._is_any_autocast_enabled */
+    {"grad_enabled", &GradEnabled, NULL},           /* torch.is_grad_enabled */
+    {"not_handled", &NotHandled, NULL},             /* _local_calls.NOT_HANDLED */
+    {"special", &SpecialFuncs, a_set},              /* what __torch_function__ rewrites: matmuls, attention, writes */
+    {"compile_tls", &CompileTLS, NULL},             /* torch._guards._TLS: its compile_context is set while compiling */
+};
+
 static PyObject *s_requires_grad, *s_dim, *s_returns, *s_argument, *s_bumped, *s_tensor, *s_none,
     *s_not_allocated, *s_compile_context, *s_compile_id;
 
@@ -967,30 +1017,12 @@ static PyObject *eager_torch_function(PyObject *module, PyObject *const *argv, P
     return local_or_below_autograd(module, argv, argc);
 }
 
-static PyObject *configure_local(PyObject *module, PyObject *kw_args, PyObject *kwargs) {
-    static char *names[] = {"entries", "clock", "pop", "floats_by_type", "refused", "local_call", "python",
-                            "values_read", "increment_version", "dispatch_modes", "autocast", "grad_enabled",
-                            "not_handled", "special", "compile_tls", NULL};
-    PyObject *values[15];
-    if (!PyArg_ParseTupleAndKeywords(kw_args, kwargs, "OOOOOOOOOOOOOOO", names, &values[0], &values[1], &values[2],
-                                     &values[3], &values[4], &values[5], &values[6], &values[7], &values[8],
-                                     &values[9], &values[10], &values[11], &values[12], &values[13], &values[14]))
-        return NULL;
+static PyObject *configure_local(PyObject *module, PyObject *args, PyObject *kwargs) {
     if (!configured) { /* (checked before anything is kept) */
         PyErr_SetString(PyExc_RuntimeError, "configure the dispatcher's hit path first");
         return NULL;
     }
-    if (!PyDict_Check(values[0]) || !PyAnySet_Check(values[3]) || !PyAnySet_Check(values[13])) {
-        PyErr_SetString(PyExc_TypeError, "entries must be a dict, floats_by_type and special sets");
-        return NULL;
-    }
-    PyObject **slots[15] = {&LocalEntries, &LocalClock, &LocalPop, &FloatsByType, &Refused, &LocalCallType,
-                            &PythonLocalOrBelow, &ValuesRead, &IncrementVersion, &DispatchModes, &Autocast,
-                            &GradEnabled, &NotHandled, &SpecialFuncs, &CompileTLS};
-    for (int i = 0; i < 15; i++) {
-        Py_INCREF(values[i]);
-        Py_XSETREF(*slots[i], values[i]);
-    }
+    if (keep_configured("configure_local", LOCAL_OBJECTS, ROWS(LOCAL_OBJECTS), args, kwargs) < 0) return NULL;
     local_configured = 1;
     Py_RETURN_NONE;
 }
@@ -1011,23 +1043,50 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_hit", NULL, -1, methods};
 
+/* The names of the attributes the hit paths read, and the texts they compare, interned once. */
+static const Interned STRINGS[] = {
+    {"_local", &s_local},
+    {"_meta", &s_meta},
+    {"outputs", &s_outputs},
+    {"local_shapes", &s_local_shapes},
+    {"shape", &s_shape},
+    {"dtype", &s_dtype},
+    {"device", &s_device},
+    {"func", &s_func},
+    {"simple", &s_simple},
+    {"_op", &s_op},
+    {"decision", &s_decision},
+    {"returns_written", &s_returns_written},
+    {"strides", &s_strides},
+    {"is_conj", &s_is_conj},
+    {"is_neg", &s_is_neg},
+    {"placement", &s_placement},
+    {"local_inputs", &s_local_inputs},
+    {"detach", &s_detach},
+    {"reshapes_part", &s_reshapes_part},
+    {"reshape", &s_reshape},
+    {"runs_as_is", &s_runs_as_is},
+    {"zero", &s_zero},
+    {"finite, nonzero", &s_finite},
+    {"inf or nan", &s_not_finite},
+    {"requires_grad", &s_requires_grad},
+    {"dim", &s_dim},
+    {"returns", &s_returns},
+    {"argument", &s_argument},
+    {"bumped", &s_bumped},
+    {"tensor", &s_tensor},
+    {"none", &s_none},
+    {"data is not allocated", &s_not_allocated},
+    {"compile_context", &s_compile_context},
+    {"compile_id", &s_compile_id},
+};
+
 PyMODINIT_FUNC PyInit__hit(void) {
     Facts = PyDict_New();
     if (Facts == NULL) return NULL;
-    const char *texts[] = {"_local", "_meta", "func", "simple", "_op", "decision", "outputs", "local_shapes",
-                           "returns_written", "shape", "strides", "dtype", "device", "is_conj", "is_neg",
-                           "placement", "local_inputs", "detach", "requires_grad", "dim", "returns", "argument",
-                           "bumped", "tensor", "none", "data is not allocated", "compile_context", "compile_id",
-                           "reshapes_part", "reshape", "runs_as_is", "zero", "finite, nonzero", "inf or nan"};
-    PyObject **strings[] = {&s_local, &s_meta, &s_func, &s_simple, &s_op, &s_decision, &s_outputs,
-                            &s_local_shapes, &s_returns_written, &s_shape, &s_strides, &s_dtype, &s_device,
-                            &s_is_conj, &s_is_neg, &s_placement, &s_local_inputs, &s_detach, &s_requires_grad,
-                            &s_dim, &s_returns, &s_argument, &s_bumped, &s_tensor, &s_none, &s_not_allocated, &s_compile_context,
-                            &s_compile_id, &s_reshapes_part, &s_reshape, &s_runs_as_is, &s_zero, &s_finite,
-                            &s_not_finite};
-    for (size_t i = 0; i < sizeof(texts) / sizeof(texts[0]); i++) {
-        *strings[i] = PyUnicode_InternFromString(texts[i]);
-        if (*strings[i] == NULL) return NULL;
+    for (size_t i = 0; i < ROWS(STRINGS); i++) {
+        *STRINGS[i].slot = PyUnicode_InternFromString(STRINGS[i].text);
+        if (*STRINGS[i].slot == NULL) return NULL;
     }
     return PyModule_Create(&module_def);
 }
