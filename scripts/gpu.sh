@@ -11,7 +11,7 @@
 #   DEADLINE=400 scripts/gpu.sh                     # a shorter run
 #
 # Stages:
-#   native         the dispatcher's C hit path (csrc/hit_paths.c), in place, for this machine's Python
+#   native         the C hit paths (csrc/hit_module.c and its parts), in place, for this machine's Python
 #   build          the kernels' extension (sbp_torch/kernels/_extension.py), cached for the later stages
 #   kernel_tests   tests/test_kernels_gpu.py: every fused forward and backward against float64
 #   model_tests    tests/test_models_gpu.py: transformers models with sdpa attention laid out on the GPU
