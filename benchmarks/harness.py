@@ -16,11 +16,11 @@ together (a barrier outside the timed region) and each repetition's time being t
 a collective step is as slow as its slowest rank. Results are medians with the interquartile range.
 ``timed_interleaved`` times several steps taking turns, so that their ratio holds on a loaded machine.
 
-What suites share lives here once, and no suite imports another's private helpers: timers, the measured code
-and machine load (``code_state``, ``load_note``), cell formatting (``fmt``, ``ratio``, ``fmt_rate``,
-``rate_ratio``), layout names and meshes (``LAYOUT_NAMES``, ``meshes``, ``RankGrid``, the
-``sbp``/``dtensor_placement`` of a layout token), training steps that may fail (``Guarded``, ``train_in_turns``) and
-the profiled peak memory.
+What suites share lives here once, and no suite imports another's private helpers: timers (``timed``,
+``timed_local``, ``timed_interleaved``, ``per_call_us``), the measured code and machine load (``code_state``,
+``load_note``), cell formatting (``fmt``, ``ratio``, ``fmt_rate``, ``rate_ratio``), layout names and meshes
+(``LAYOUT_NAMES``, ``meshes``, ``RankGrid``, the ``sbp``/``dtensor_placement`` of a layout token), training steps that
+may fail (``Guarded``, ``train_in_turns``) and the profiled peak memory.
 """
 
 from __future__ import annotations
@@ -80,6 +80,20 @@ def timed_local(fn, repeats: int = 200, warmup: int = 10, sync=None) -> dict:
             sync()
         samples.append((time.perf_counter_ns() - start) / 1e3)
     return summary(samples)
+
+
+def per_call_us(fn, calls: int, rounds: int, warmup: int) -> float:
+    """µs per call of ``fn``, in this process alone, for a call too short to time by itself: the median over ``rounds``
+    rounds of ``calls`` calls each, after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(times)
 
 
 def summary(samples: list[float]) -> dict:

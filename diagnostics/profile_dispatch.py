@@ -19,9 +19,7 @@ from __future__ import annotations
 import cProfile
 import os
 import pstats
-import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -34,15 +32,7 @@ OUT = os.path.join(harness.DOCS, "dispatch_profile.md")
 
 
 def _per_call_us(fn) -> float:
-    for _ in range(200):
-        fn()
-    rounds = []
-    for _ in range(7):
-        start = time.perf_counter()
-        for _ in range(CALLS):
-            fn()
-        rounds.append((time.perf_counter() - start) / CALLS * 1e6)
-    return statistics.median(rounds)
+    return harness.per_call_us(fn, CALLS, rounds=7, warmup=200)
 
 
 def _profile_rows(fn, top: int = 14) -> list[list[str]]:
