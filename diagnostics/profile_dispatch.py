@@ -57,7 +57,7 @@ def _grad_parts(x: torch.Tensor, h) -> list[list[str]]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    from sbp_torch._dispatch import _native
+    from sbp_torch._dispatch import NATIVE
     from sbp_torch._frontend import python_handlers
 
     cls, off = type(h), torch._C._disabled_torch_function_impl
@@ -78,7 +78,7 @@ def _grad_parts(x: torch.Tensor, h) -> list[list[str]]:
     cls.__torch_function__ = ours
     with python_handlers():
         timed.append(["sbp_torch, the Python handlers", f"{_per_call_us(rows[2][1]):.1f}"])
-    timed.append(["(the C hit paths in use)", "yes" if _native.NATIVE else "no"])
+    timed.append(["(the C hit paths in use)", "yes" if NATIVE else "no"])
     return timed
 
 
