@@ -2,8 +2,9 @@
 
 The package is Python, plus two optional extensions:
 
-* the dispatcher's hit path in C (``csrc/hit_paths.c``), against Python's C API alone: built wherever a C
-  compiler is, and left out (a warning, the Python path runs) where none is;
+* the hit paths in C (``csrc/hit_module.c``: the dispatcher's, ``csrc/dispatch_hit.c``, and the frontend's local
+  calls, ``csrc/local_calls_hit.c``), against Python's C API alone: built wherever a C compiler is, and left out (a
+  warning, the Python path runs) where none is;
 * the fused kernels' CUDA code, built only where torch (with CUDA) and nvcc are already installed (elsewhere the
   kernels run their PyTorch reference, and can be built just in time later).
 
@@ -17,11 +18,18 @@ import shutil
 
 from setuptools import Extension, find_packages, setup
 
-DISPATCH_HIT = Extension("sbp_torch._dispatch._hit", ["csrc/hit_paths.c"], extra_compile_args=["-O2"], optional=True)
+# Hidden symbols: the parts share names (hit.h) that no other library loaded into the process may take.
+DISPATCH_HIT = Extension(
+    "sbp_torch._dispatch._hit",
+    ["csrc/hit_module.c", "csrc/dispatch_hit.c", "csrc/local_calls_hit.c"],
+    depends=["csrc/hit.h"],
+    extra_compile_args=["-O2", "-fvisibility=hidden"],
+    optional=True,
+)
 
 
 def _extensions() -> dict:
-    """The dispatch hit path's extension; with it the CUDA extension of ``sbp_torch/kernels/_extension.py``'s
+    """The hit paths' extension; with it the CUDA extension of ``sbp_torch/kernels/_extension.py``'s
     ``SOURCES``, only where an installed torch has CUDA and nvcc is on the PATH."""
     plain = {"ext_modules": [DISPATCH_HIT]}
     if not shutil.which("nvcc") or os.environ.get("SBP_TORCH_NO_CUDA_BUILD"):

@@ -8,9 +8,13 @@ matmuls). Whatever a library does per op comes on top of these; DTensor's cached
 has no Python entry at all. Median of 5 rounds of 20000 calls, µs per call.
 """
 
-import time
+import os
+import sys
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import harness  # noqa: E402
 
 
 class Minimal(torch.Tensor):
@@ -38,16 +42,8 @@ class MinimalWithTorchFunction(Minimal):
             return func(*args, **(kwargs or {}))
 
 
-def per_call_us(fn, calls: int = 20000) -> float:
-    for _ in range(500):
-        fn()
-    rounds = []
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        rounds.append((time.perf_counter() - start) / calls * 1e6)
-    return sorted(rounds)[2]
+def per_call_us(fn) -> float:
+    return harness.per_call_us(fn, 20000, rounds=5, warmup=500)
 
 
 if __name__ == "__main__":

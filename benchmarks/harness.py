@@ -9,21 +9,24 @@ A suite is a module of ``benchmarks/suites`` with
 
 ``python -m benchmarks.run --suite NAME`` launches the ranks (``torchrun``), gathers rows into
 ``docs/benchmarks/<suite>.json`` and writes the markdown table and plot next to it. ``DOCS`` is that folder:
-everything a benchmark writes, suite or script, goes there.
+everything a benchmark (suite or script) or a diagnostic (``diagnostics/``) writes goes there.
 
 Timing: ``timed(fn)`` runs ``fn`` after warm-up, ``repeats`` times, with all ranks starting each repetition
 together (a barrier outside the timed region) and each repetition's time being the slowest rank's, since
 a collective step is as slow as its slowest rank. Results are medians with the interquartile range.
 ``timed_interleaved`` times several steps taking turns, so that their ratio holds on a loaded machine.
 
-What suites share lives here once, and no suite imports another's private helpers: timers, the measured code
-and machine load (``code_state``, ``load_note``), cell formatting (``fmt``, ``ratio``, ``fmt_rate``,
-``rate_ratio``), layout names and meshes (``LAYOUT_NAMES``, ``meshes``, the ``sbp``/``dtensor_placement`` of a
-layout token), training steps that may fail (``Guarded``, ``train_in_turns``) and the profiled peak memory.
+What suites share lives here once, and no suite imports another's private helpers: timers (``timed``,
+``timed_local``, ``timed_interleaved``, ``per_call_us``), the measured code and machine load (``code_state``,
+``load_note``), cell formatting (``fmt``, ``ratio``, ``fmt_rate``, ``rate_ratio``), layout names and meshes
+(``LAYOUT_NAMES``, ``meshes``, ``RankGrid``, the ``sbp``/``dtensor_placement`` of a layout token), training steps that
+may fail (``Guarded``, ``train_in_turns``) and the profiled peak memory.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 import os
 import platform
 import statistics
@@ -77,6 +80,20 @@ def timed_local(fn, repeats: int = 200, warmup: int = 10, sync=None) -> dict:
             sync()
         samples.append((time.perf_counter_ns() - start) / 1e3)
     return summary(samples)
+
+
+def per_call_us(fn, calls: int, rounds: int, warmup: int) -> float:
+    """µs per call of ``fn``, in this process alone, for a call too short to time by itself: the median over ``rounds``
+    rounds of ``calls`` calls each, after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(times)
 
 
 def summary(samples: list[float]) -> dict:
@@ -192,6 +209,23 @@ def relative_difference(got: list[float], want: list[float]) -> float:
 def meshes(world: int) -> list[tuple[int, ...]]:
     """The mesh shapes a suite runs on ``world`` ranks: 1-D, and 2x2 on 4."""
     return [(world,)] if world != 4 else [(4,), (2, 2)]
+
+
+class RankGrid:
+    """The ranks of a mesh of ``shape``, row-major (``(2, 2)``: ranks ``[[0, 1], [2, 3]]``), as both libraries hold
+    them: sbp_torch's ``placement`` and DTensor's ``mesh``; this rank's ``coord`` on them, and the ``name`` tables
+    give the mesh (``"2x2"``)."""
+
+    def __init__(self, shape: tuple[int, ...]):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        import sbp_torch as st
+
+        self.shape = shape
+        self.name = "x".join(map(str, shape))
+        self.placement = st.placement("cpu", torch.arange(math.prod(shape)).view(shape).tolist())
+        self.mesh = init_device_mesh("cpu", shape)
+        self.coord = list(itertools.product(*(range(n) for n in shape)))[dist.get_rank()]
 
 
 def sbp(token: str):

@@ -11,16 +11,16 @@
 #   DEADLINE=400 scripts/gpu.sh                     # a shorter run
 #
 # Stages:
-#   native         the dispatcher's C hit path (csrc/hit_paths.c), in place, for this machine's Python
+#   native         the C hit paths (csrc/hit_module.c and its parts), in place, for this machine's Python
 #   build          the kernels' extension (sbp_torch/kernels/_extension.py), cached for the later stages
 #   kernel_tests   tests/test_kernels_gpu.py: every fused forward and backward against float64
 #   model_tests    tests/test_models_gpu.py: transformers models with sdpa attention laid out on the GPU
 #   step_graph     the test of tests/test_models_gpu.py for compile_step(cuda_graphs=True) alone
 #   kernel_bench   benchmarks/kernels/bench.py: against eager, torch.compile and Liger-Kernel (from .whl/)
 #   gpt_cuda       the benchmark suite gpt_cuda (--quick unless GPT_FULL=1): a GPT-2 step, eager, compiled, CUDA graphs
-#   gpu_profile    benchmarks/gpu_profile.py: an eager step's issue time, GPU busy time and kernels, plain against
+#   gpu_profile    diagnostics/gpu_profile.py: an eager step's issue time, GPU busy time and kernels, plain against
 #                  sbp_torch (written to docs/benchmarks/gpu_profile.md)
-#   sync_check     benchmarks/sync_check.py: the host synchronisations of global GPT steps under CUDA's sync debug
+#   sync_check     diagnostics/sync_check.py: the host synchronisations of global GPT steps under CUDA's sync debug
 #                  mode, each with its stack; fails on any that sbp_torch adds to the plain step's
 #   memcheck       compute-sanitizer memcheck over a few kernel tests
 #   racecheck      compute-sanitizer racecheck over the kernels that share memory
@@ -76,7 +76,7 @@ for s in $stages; do
     kernel_tests) stage kernel_tests 180 $PY -m pytest -q -p no:cacheprovider -rfE --maxfail=40 tests/test_kernels_gpu.py ;;
     model_tests) stage model_tests 240 $PY -m pytest -q -p no:cacheprovider -rfE tests/test_models_gpu.py ;;
     step_graph) stage step_graph 180 $PY -m pytest -q -p no:cacheprovider -rfE tests/test_models_gpu.py -k cuda_graph ;;
-    gpu_profile) stage gpu_profile 150 $PY benchmarks/gpu_profile.py ;;
+    gpu_profile) stage gpu_profile 150 $PY diagnostics/gpu_profile.py ;;
     kernel_bench)
       site=$(mktemp -d)
       $PY -m pip install -q --no-deps --no-index --target "$site" .whl/*.whl >"$LOGS/liger_install.log" 2>&1 ||
@@ -90,7 +90,7 @@ for s in $stages; do
       stage gpt_cuda 360 $PY -m benchmarks.run --suite gpt_cuda $quick
       cp docs/benchmarks/gpt_cuda.json "$OUT/" 2>/dev/null
       ;;
-    sync_check) stage sync_check 120 $PY benchmarks/sync_check.py ;;
+    sync_check) stage sync_check 120 $PY diagnostics/sync_check.py ;;
     memcheck)
       stage memcheck 120 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 \
         $PY -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py -k "$MEMCHECK"

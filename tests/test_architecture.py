@@ -175,13 +175,26 @@ def test_ruff(command):
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-def test_no_test_imports_a_benchmark():
-    """Benchmarks time; what tests and benchmarks share (models, layouts) lives in ``zoo/``."""
+def _imports_of(folder: str, packages: tuple[str, ...]) -> list[str]:
+    """The places in ``folder``'s Python files that import one of ``packages`` (or a module inside one)."""
     importing = []
-    for path in sorted((ROOT / "tests").rglob("*.py")):
+    for path in sorted((ROOT / folder).rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
             names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-            if any(n == "benchmarks" or n.startswith("benchmarks.") for n in names):
+            if any(n.split(".")[0] in packages for n in names):
                 importing.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    return importing
+
+
+def test_no_test_imports_a_benchmark_or_a_diagnostic():
+    """Benchmarks time and diagnostics check; what tests share with them (models, layouts) lives in ``zoo/``."""
+    importing = _imports_of("tests", ("benchmarks", "diagnostics"))
+    assert not importing, importing
+
+
+def test_no_benchmark_imports_a_diagnostic():
+    """Diagnostics may use the benchmarks' harness (timers, tables, the output folder); a benchmark needs no
+    diagnostic."""
+    importing = _imports_of("benchmarks", ("diagnostics",))
     assert not importing, importing

@@ -20,7 +20,7 @@ from torch import nn
 import sbp_torch as st
 from sbp_torch.checkpoint import CheckpointError
 from sbp_torch.sbp import broadcast, partial, split
-from zoo import dense
+from zoo import dense, training
 
 from world import run_on_world
 
@@ -443,7 +443,7 @@ def _hugging_face_files(directory):
     zoo_model = next(m for m in dense.ZOO if m.name == "gpt_neox")
     layout = next(lay for lay in dense.LAYOUTS if lay.name == "tp")
     model, lay_out_batch = dense.lay_out(zoo_model, layout)
-    dense.train(model, dense.batches(zoo_model, 1), lay_out_batch)  # trained values, not initial ones
+    training.train(model, dense.batches(zoo_model, 1), lay_out_batch)  # trained values, not initial ones
     full = st.full_state_dict(model)
     if dist.get_rank() != 0:
         return True

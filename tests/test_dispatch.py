@@ -547,7 +547,7 @@ def native_hit_body():
 
 
 def test_the_c_hit_path_answers_as_the_python_one():
-    """The dispatcher's hit path in C (``csrc/hit_paths.c``) is built, runs a cached simple plan, a view's plan and a
+    """The dispatcher's hit path in C (``csrc/dispatch_hit.c``) is built, runs a cached simple plan, a view's plan and a
     plan with several outputs without entering Python's ``dispatch``, and gives the values and cache counts the
     Python handler gives, call for call; both give the plain ops' values."""
     for native, results, counts, entered in run_on_world(2, native_hit_body):

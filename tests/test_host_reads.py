@@ -12,7 +12,7 @@ take AdamW steps plain and laid out on a one-rank placement; each step lays out 
 then ``split(0)``). A read in the global steps is sbp_torch's when its stack passes through ``sbp_torch/`` and the
 plain steps have no read of that op from the same caller line (the innermost frame outside torch and sbp_torch: the
 model's, or this file's step for torch's optimizer). The steps counted are the second and later ones: the cached path,
-local calls learnt and then taken. On a GPU, ``benchmarks/sync_check.py`` (``scripts/gpu.sh``, stage ``sync_check``)
+local calls learnt and then taken. On a GPU, ``diagnostics/sync_check.py`` (``scripts/gpu.sh``, stage ``sync_check``)
 counts the synchronisations themselves.
 """
 

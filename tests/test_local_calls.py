@@ -376,7 +376,7 @@ def native_local_body():
 
 
 def test_the_c_local_calls_answer_as_the_python_ones():
-    """The local calls' hit path in C (``csrc/hit_paths.c``) is in use, answers a learnt call without entering
+    """The local calls' hit path in C (``csrc/local_calls_hit.c``) is in use, answers a learnt call without entering
     Python's ``call``, and gives the values, cache counts and version bumps the Python path gives."""
     for native, results, counts, versions, entered in run_on_world(2, native_local_body):
         assert native, "the C hit paths are not built (setup.py builds them wherever a C compiler is)"

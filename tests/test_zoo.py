@@ -16,7 +16,7 @@ from world import run_on_world
 
 pytest.importorskip("transformers")
 
-from zoo import dense  # noqa: E402  (after the skip: it names transformers models)
+from zoo import dense, training  # noqa: E402  (after the skip: it names transformers models)
 
 pytestmark = pytest.mark.gloo
 
@@ -30,11 +30,11 @@ DTYPE = torch.float64
 def _run(name: str) -> tuple:
     model = next(m for m in dense.ZOO if m.name == name)
     steps = dense.batches(model, STEPS, DTYPE)
-    reference = dense.train(dense.make(model, DTYPE), steps)
+    reference = training.train(dense.make(model, DTYPE), steps)
     results = {}
     for layout in dense.LAYOUTS:
         laid_out, lay_out_batch = dense.lay_out(model, layout, DTYPE)
-        results[layout.name] = dense.train(laid_out, steps, lay_out_batch)
+        results[layout.name] = training.train(laid_out, steps, lay_out_batch)
     return reference, results
 
 
@@ -49,11 +49,11 @@ def _run_compiled(name: str, layout_name: str) -> tuple:
     model = next(m for m in dense.ZOO if m.name == name)
     layout = next(lay for lay in dense.LAYOUTS if lay.name == layout_name)
     steps = dense.batches(model, STEPS, DTYPE)
-    reference = dense.train(dense.make(model, DTYPE), steps)
+    reference = training.train(dense.make(model, DTYPE), steps)
     torch._dynamo.reset()
     laid_out, lay_out_batch = dense.lay_out(model, layout, DTYPE)
     laid_out.forward = torch.compile(laid_out.forward, backend="aot_eager", fullgraph=True)
-    return reference, {layout_name: dense.train(laid_out, steps, lay_out_batch)}
+    return reference, {layout_name: training.train(laid_out, steps, lay_out_batch)}
 
 
 def test_an_unmodified_model_trains_compiled_like_one_process():
@@ -95,7 +95,7 @@ def _gpt2_compiled(how: str) -> tuple:
 
     model = dense.ZooModel("gpt2", make, dense._tokens, (), ())
     steps = dense.batches(model, 2, DTYPE)
-    reference = dense.train(dense.make(model, DTYPE), steps)
+    reference = training.train(dense.make(model, DTYPE), steps)
     torch._dynamo.reset()
     dp = dense.Layout("dp", [0, 1], lambda m: None, (split(0),))
     laid_out, lay_out_batch = dense.lay_out(model, dp, DTYPE)
@@ -103,7 +103,7 @@ def _gpt2_compiled(how: str) -> tuple:
         laid_out = torch.compile(laid_out, backend="aot_eager", fullgraph=True)
     else:
         laid_out.forward = torch.compile(laid_out.forward, backend="aot_eager", fullgraph=True)
-    losses, grads = dense.train(laid_out, steps, lay_out_batch)
+    losses, grads = training.train(laid_out, steps, lay_out_batch)
     return reference, {how: (losses, {k.removeprefix("_orig_mod."): g for k, g in grads.items()})}
 
 

@@ -1,8 +1,9 @@
 """Unmodified Hugging Face ``transformers`` models in tiny configs, with the layouts they are trained in.
 
 * ``zoo.dense``: six architectures (BERT, GPT-NeoX, OPT, Qwen2, T5, ViT), their tensor-parallel plans, the DP, TP
-  and 2-D layouts on 4 ranks, and ``train``, which runs AdamW steps laid out or as one process;
+  and 2-D layouts on 4 ranks;
 * ``zoo.moe``: Mixtral and Qwen3-MoE, and their DP, EP and DP x EP layouts;
+* ``zoo.training``: how both train (AdamW steps on the model's loss, laid out or as one process);
 * ``zoo.gpt``: the GPT example and a ``transformers`` GPT-2 on one device, laid out by plain PyTorch, sbp_torch or
   DTensor, and the step compiled whole (the GPU benchmark's models; the host-read tests run them small).
 

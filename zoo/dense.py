@@ -7,9 +7,8 @@ their output features (column-parallel: weight and bias ``split(0)``) and those 
 (row-parallel: weight ``split(1)``), as glob patterns on the parameter names. Everything unnamed stays broadcast.
 
 ``LAYOUTS`` are the three ways a model is laid out (data parallel, tensor parallel, both on a 2x2 grid) on 4 ranks;
-``train`` runs AdamW steps on a model as the caller gives it, laid out or not, and returns the losses and the last
-step's gradients as plain tensors. The zoo test (``tests/test_zoo.py``) and the zoo benchmark
-(``benchmarks/suites/zoo.py``) share these.
+``zoo.training`` trains a model as the caller gives it, laid out or not. The zoo test (``tests/test_zoo.py``) and the
+zoo benchmark (``benchmarks/suites/zoo.py``) share these.
 """
 
 from __future__ import annotations
@@ -188,21 +187,3 @@ def lay_out(
         return t.to_global(placement, everywhere).to_global(sbp=layout.batch_sbp)
 
     return model, batch_to_global
-
-
-def train(model: torch.nn.Module, steps: list[dict], lay_out_batch: Callable = lambda t: t) -> tuple[list, dict]:
-    """(Each step's loss as a float, the last step's gradients by parameter name as plain tensors.)"""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for batch in steps:
-        loss = model(**{k: lay_out_batch(v) for k, v in batch.items()}).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    grads = {name: _plain(p.grad) for name, p in model.named_parameters() if p.grad is not None}
-    return losses, grads
-
-
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t

@@ -101,11 +101,11 @@ def lay_out(model: torch.nn.Module, layout: Layout) -> Callable[[torch.Tensor], 
     return lambda t: t.to_global(placement, everywhere).to_global(sbp=layout.batch)
 
 
-def batches(steps: int, rows: int, seed: int = 1234) -> list[dict]:
-    """The same ``steps`` batches of token ids (labels are the inputs) on every rank."""
+def batches(steps: int, rows: int, seed: int = 1234, seq: int = SEQ) -> list[dict]:
+    """The same ``steps`` batches of ``rows`` sequences of ``seq`` token ids (labels are the inputs) on every rank."""
     generator = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(steps):
-        ids = torch.randint(0, VOCAB, (rows, SEQ), generator=generator)
+        ids = torch.randint(0, VOCAB, (rows, seq), generator=generator)
         out.append({"input_ids": ids, "labels": ids})
     return out

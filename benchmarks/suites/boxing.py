@@ -168,55 +168,42 @@ def _token(sbp) -> str:
     return f"S{sbp.dim}"
 
 
-class _Env:
-    """A placement and the DTensor mesh of the same ranks; this rank's coordinate on them."""
+def _addend(grid: harness.RankGrid, full: torch.Tensor, layout) -> torch.Tensor:
+    """This rank's full-shape value under the partial axes of ``layout`` (``full`` itself if none): sum addends
+    ``full / k`` plus offsets that cancel; max addends ``full - c``, so class 0 holds the max."""
+    axes = _partial_axes(layout)
+    if not axes:
+        return full
+    ops = {layout[a] for a in axes}
+    assert len(ops) == 1, "mixed partial ops are not built here"
+    k = math.prod(grid.shape[a] for a in axes)
+    c = 0
+    for a in axes:
+        c = c * grid.shape[a] + grid.coord[a]
+    if ops == {"P"}:
+        return full / k + (c - (k - 1) / 2) * 0.25
+    return full - float(c)
 
-    def __init__(self, mesh_shape: tuple[int, ...]):
-        from torch.distributed.device_mesh import init_device_mesh
 
-        import sbp_torch as st
+def _inputs(grid: harness.RankGrid, full: torch.Tensor, layout):
+    """The sbp_torch tensor and the DTensor of logical value ``full`` with ``layout``."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
-        self.shape = mesh_shape
-        self.name = "x".join(map(str, mesh_shape))
-        self.placement = st.placement("cpu", torch.arange(math.prod(mesh_shape)).view(mesh_shape).tolist())
-        self.mesh = init_device_mesh("cpu", mesh_shape)
-        self.coord = _coords(mesh_shape)[dist.get_rank()]
-
-    def addend(self, full: torch.Tensor, layout) -> torch.Tensor:
-        """This rank's full-shape value under the partial axes of ``layout`` (``full`` itself if none): sum
-        addends ``full / k`` plus offsets that cancel; max addends ``full - c``, so class 0 holds the max."""
-        axes = _partial_axes(layout)
-        if not axes:
-            return full
-        ops = {layout[a] for a in axes}
-        assert len(ops) == 1, "mixed partial ops are not built here"
-        k = math.prod(self.shape[a] for a in axes)
-        c = 0
-        for a in axes:
-            c = c * self.shape[a] + self.coord[a]
-        if ops == {"P"}:
-            return full / k + (c - (k - 1) / 2) * 0.25
-        return full - float(c)
-
-    def inputs(self, full: torch.Tensor, layout):
-        """The sbp_torch tensor and the DTensor of logical value ``full`` with ``layout``."""
-        from torch.distributed.tensor import DTensor, distribute_tensor
-
-        value = self.addend(full, layout)
-        box = region(full.shape, self.shape, self.coord, layout)
-        local = value[tuple(slice(s, s + n) for s, n in box)].contiguous()
-        ours = local.to_global(self.placement, tuple(map(harness.sbp, layout)), check_meta=False)
-        plain = [harness.dtensor_placement("B" if t.startswith("P") else t) for t in layout]
-        their_local = distribute_tensor(value, self.mesh, plain, src_data_rank=None).to_local()
-        theirs = DTensor.from_local(
-            their_local,
-            self.mesh,
-            [harness.dtensor_placement(t) for t in layout],
-            run_check=False,
-            shape=full.shape,
-            stride=full.stride(),
-        )
-        return ours, theirs
+    value = _addend(grid, full, layout)
+    box = region(full.shape, grid.shape, grid.coord, layout)
+    local = value[tuple(slice(s, s + n) for s, n in box)].contiguous()
+    ours = local.to_global(grid.placement, tuple(map(harness.sbp, layout)), check_meta=False)
+    plain = [harness.dtensor_placement("B" if t.startswith("P") else t) for t in layout]
+    their_local = distribute_tensor(value, grid.mesh, plain, src_data_rank=None).to_local()
+    theirs = DTensor.from_local(
+        their_local,
+        grid.mesh,
+        [harness.dtensor_placement(t) for t in layout],
+        run_check=False,
+        shape=full.shape,
+        stride=full.stride(),
+    )
+    return ours, theirs
 
 
 # ---- bare collectives ----------------------------------------------------------------------------------
@@ -226,7 +213,7 @@ _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def _bare(env: _Env, shape, plan):
+def _bare(grid: harness.RankGrid, shape, plan):
     """A function running, on plain tensors in the mesh's groups, the collectives of ``plan``'s steps with
     the sizes they move (parts padded to the largest); None when every step is local."""
     calls = []
@@ -236,10 +223,10 @@ def _bare(env: _Env, shape, plan):
             calls.append(_bare_point_to_point(step.pieces))
             cur = [_token(s) for s in step.dst]
             continue
-        p, group = env.shape[step.axis], env.mesh.get_group(step.axis)
+        p, group = grid.shape[step.axis], grid.mesh.get_group(step.axis)
         shared = cur.copy()
         shared[step.axis] = "B"
-        extent = math.prod(n for _, n in region(shape, env.shape, env.coord, shared))  # the group's piece
+        extent = math.prod(n for _, n in region(shape, grid.shape, grid.coord, shared))  # the group's piece
         part = -(-extent // p)
         op = dist.ReduceOp.MAX if _token(step.src) == "Pmax" else dist.ReduceOp.SUM
         if step.collective == "all-gather":
@@ -336,17 +323,17 @@ def _repeats(nbytes: int, quick: bool) -> tuple[int, int]:
     return (12, 2) if nbytes <= 2**24 else (6, 1)
 
 
-def _case(env: _Env, src, dst, label, shape, quick) -> dict:
+def _case(grid: harness.RankGrid, src, dst, label, shape, quick) -> dict:
     import sbp_torch as st
 
     gen = torch.Generator().manual_seed(zlib.crc32(repr((src, dst, shape)).encode()))  # the same on every rank
     full = torch.randn(shape, generator=gen)
-    ours, theirs = env.inputs(full, src)
+    ours, theirs = _inputs(grid, full, src)
     dst_sbp = tuple(map(harness.sbp, dst))
     dst_dt = [harness.dtensor_placement(t) for t in dst]
     plan = st.boxing_plan(ours, dst_sbp)
     row = {
-        "mesh": env.name,
+        "mesh": grid.name,
         "src": list(src),
         "dst": list(dst),
         "size": label,
@@ -354,7 +341,7 @@ def _case(env: _Env, src, dst, label, shape, quick) -> dict:
         "nbytes": full.numel() * full.element_size(),
         "plan": [_step_label(s) for s in plan.steps],
         "bytes_sbp": plan.bytes_sent,
-        "bytes_min": min_bytes(shape, full.element_size(), env.shape, src, dst),
+        "bytes_min": min_bytes(shape, full.element_size(), grid.shape, src, dst),
     }
     repeats, warmup = _repeats(row["nbytes"], quick)
 
@@ -367,16 +354,16 @@ def _case(env: _Env, src, dst, label, shape, quick) -> dict:
 
     redistribute, row["dtensor_route"] = _dtensor_route(theirs, dst_dt)
     try:
-        out = redistribute(theirs, env.mesh, dst_dt)
+        out = redistribute(theirs, grid.mesh, dst_dt)
         row["dtensor_error"] = _check(out.full_tensor(), full)
         row["dtensor_view"] = _is_view(out.to_local(), theirs.to_local())
         del out
     except Exception as err:  # an unsupported transition raises on every rank alike
         row["dtensor_error"] = f"unsupported: {type(err).__name__}: {str(err).strip().splitlines()[0][:100]}"
     if row["dtensor_error"] is None:
-        row["dtensor"] = harness.timed(lambda: redistribute(theirs, env.mesh, dst_dt), repeats, warmup)
+        row["dtensor"] = harness.timed(lambda: redistribute(theirs, grid.mesh, dst_dt), repeats, warmup)
 
-    bare = _bare(env, shape, plan)
+    bare = _bare(grid, shape, plan)
     if bare is not None:
         row["bare"] = harness.timed(bare, repeats, warmup)
     return row
@@ -386,10 +373,10 @@ def measure(world: int, quick: bool) -> list[dict]:
     sizes = [s for s in SIZES if not quick or s[0] in QUICK_SIZES]
     rows = []
     for mesh_shape in harness.meshes(world):
-        env = _Env(mesh_shape)
+        grid = harness.RankGrid(mesh_shape)
         for src, dst in _transitions(mesh_shape):
             for label, shape in sizes:
-                rows.append(_case(env, src, dst, label, shape, quick))
+                rows.append(_case(grid, src, dst, label, shape, quick))
                 gc.collect()
     return rows
 

@@ -93,57 +93,39 @@ CASES = [
 ]
 
 
-class _Env:
-    """One placement and the DTensor mesh of the same ranks, and this rank's coordinate on them."""
+def _local_part(grid: harness.RankGrid, full: torch.Tensor, layout: tuple[str, ...]) -> torch.Tensor:
+    """This rank's part: splits nest in axis order (the shapes here divide evenly, so both libraries agree on it)."""
+    part = full
+    for axis, token in enumerate(layout):
+        if token != "B":
+            part = part.tensor_split(grid.shape[axis], dim=int(token[1:]))[grid.coord[axis]]
+    return part.contiguous()
 
-    def __init__(self, mesh_shape: tuple[int, ...]):
-        from torch.distributed.device_mesh import init_device_mesh
 
-        import sbp_torch as st
+def _inputs(grid: harness.RankGrid, kinds: list[str], i: int, seed: int):
+    """(full tensors, sbp_torch tensors, DTensors, local parts) of variant ``i``, one per kind."""
+    from torch.distributed.tensor import DTensor
 
-        ranks = torch.arange(math.prod(mesh_shape)).view(mesh_shape).tolist()
-        self.shape = mesh_shape
-        self.name = "x".join(map(str, mesh_shape))
-        self.placement = st.placement("cpu", ranks)
-        self.mesh = init_device_mesh("cpu", mesh_shape)
-        rank, self.coord = dist.get_rank(), []
-        for n in reversed(mesh_shape):
-            rank, c = divmod(rank, n)
-            self.coord.insert(0, c)
-
-    def local_part(self, full: torch.Tensor, layout: tuple[str, ...]) -> torch.Tensor:
-        """This rank's part: splits nest in axis order (the shapes here divide evenly, so both libraries
-        agree on it)."""
-        part = full
-        for axis, token in enumerate(layout):
-            if token != "B":
-                part = part.tensor_split(self.shape[axis], dim=int(token[1:]))[self.coord[axis]]
-        return part.contiguous()
-
-    def inputs(self, kinds: list[str], i: int, seed: int):
-        """(full tensors, sbp_torch tensors, DTensors, local parts) of variant ``i``, one per kind."""
-        from torch.distributed.tensor import DTensor
-
-        gen = torch.Generator().manual_seed(seed)  # the same values on every rank
-        fulls, ours, theirs, locals_ = [], [], [], []
-        for kind in kinds:
-            layout = LAYOUTS[kind][len(self.shape)]
-            full = torch.randn(_shape(kind, i), generator=gen)
-            local = self.local_part(full, layout)
-            fulls.append(full)
-            locals_.append(local)
-            ours.append(local.clone().to_global(self.placement, tuple(map(harness.sbp, layout)), check_meta=False))
-            theirs.append(
-                DTensor.from_local(
-                    local.clone(),
-                    self.mesh,
-                    [harness.dtensor_placement(t) for t in layout],
-                    run_check=False,
-                    shape=full.shape,
-                    stride=full.stride(),
-                )
+    gen = torch.Generator().manual_seed(seed)  # the same values on every rank
+    fulls, ours, theirs, locals_ = [], [], [], []
+    for kind in kinds:
+        layout = LAYOUTS[kind][len(grid.shape)]
+        full = torch.randn(_shape(kind, i), generator=gen)
+        local = _local_part(grid, full, layout)
+        fulls.append(full)
+        locals_.append(local)
+        ours.append(local.clone().to_global(grid.placement, tuple(map(harness.sbp, layout)), check_meta=False))
+        theirs.append(
+            DTensor.from_local(
+                local.clone(),
+                grid.mesh,
+                [harness.dtensor_placement(t) for t in layout],
+                run_check=False,
+                shape=full.shape,
+                stride=full.stride(),
             )
-        return fulls, ours, theirs, locals_
+        )
+    return fulls, ours, theirs, locals_
 
 
 def _collectives(fn, args) -> int:
@@ -211,12 +193,12 @@ def measure(world: int, quick: bool) -> list[dict]:
     repeats, misses = (15, 8) if quick else (60, 30)
     rows = []
     for mesh_shape in harness.meshes(world):
-        env = _Env(mesh_shape)
+        grid = harness.RankGrid(mesh_shape)
         for seed, (name, kinds, fn) in enumerate(CASES):
-            fulls, ours, theirs, locals_ = env.inputs(kinds, -1, seed)
+            fulls, ours, theirs, locals_ = _inputs(grid, kinds, -1, seed)
             _check(name, fn, fulls, ours, theirs)  # also the first call: the op is known to both from here on
             row = {
-                "mesh": env.name,
+                "mesh": grid.name,
                 "op": name,
                 "layout": " · ".join("(" + ", ".join(LAYOUTS[k][len(mesh_shape)]) + ")" for k in kinds),
                 "shapes": [list(f.shape) for f in fulls],
@@ -228,7 +210,7 @@ def measure(world: int, quick: bool) -> list[dict]:
             if not name.endswith("_"):
                 ours_grad, theirs_grad = _loop_timed(fn, [_requiring_grad(ours), _requiring_grad(theirs)], repeats)
                 row["sbp_hit_grad"], row["dtensor_hit_grad"] = _slowest(ours_grad), _slowest(theirs_grad)
-            fresh = [env.inputs(kinds, i, 1000 + i) for i in range(misses)]
+            fresh = [_inputs(grid, kinds, i, 1000 + i) for i in range(misses)]
             row["sbp_miss"] = _slowest(_miss_timed(fn, [v[1] for v in fresh]))
             row["dtensor_miss"] = _slowest(_miss_timed(fn, [v[2] for v in fresh]))
             rows.append(row)

@@ -42,20 +42,12 @@ from benchmarks import harness
 from sbp_torch import _comm as comm
 from sbp_torch._api._explain import Explanation, recorder
 from sbp_torch._layout import balanced_part
-from zoo import moe
+from zoo import moe, training
 
 TITLE = "Mixture of experts: data, expert and 2-D parallel MoE models beside hand-written expert parallelism"
 WORLDS = [4]
 ROWS, SEQ = 8, 32
 VARIANTS = ["DP", "EP", "DP x EP", "hand DP", "hand EP"]
-
-
-def _batches(steps: int) -> list[dict]:
-    generator = torch.Generator().manual_seed(1234)
-    return [
-        {"input_ids": ids, "labels": ids}
-        for ids in (torch.randint(0, moe.VOCAB, (ROWS, SEQ), generator=generator) for _ in range(steps))
-    ]
 
 
 class _HandExperts:
@@ -189,19 +181,6 @@ def _sent(step) -> tuple[dict, int]:
     return dict(collections.Counter(c.kind for c in step.found)), sum(c.bytes or 0 for c in step.found)
 
 
-def _reference_losses(name: str, batches: list[dict]) -> list[float]:
-    model = moe.make(name)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for batch in batches:
-        loss = model(**batch).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
-
-
 def _variant(name: str, variant: str):
     model = moe.make(name)
     if variant.startswith("hand"):
@@ -215,8 +194,8 @@ def measure(world: int, quick: bool) -> list[dict]:
     rounds, warmup = (4, 1) if quick else (20, 3)
     rows = []
     for name in moe.MODELS:
-        batches = _batches(5)
-        want = _reference_losses(name, batches)
+        batches = moe.batches(5, ROWS, seq=SEQ)
+        want, _ = training.train(moe.make(name), batches)
         steps = {v: _variant(name, v) for v in VARIANTS}
         losses = {v: [step(step.prepare(b)) for b in batches] for v, step in steps.items()}  # and warm-up
         prepared = {v: step.prepare(batches[0]) for v, step in steps.items()}  # laid out before the clock

@@ -4,10 +4,10 @@ with sbp_torch and with DTensor on 4 ranks, beside the same model trained by one
 The zoo's models are unmodified Hugging Face ``transformers`` models (tiny configs, random weights); ``LAYOUTS``
 lays each out three ways on 4 ranks: ``dp`` (every tensor broadcast, the batch split over 4), ``tp`` (the
 Megatron-style plan of the model's linears over 4, the batch broadcast) and ``2d`` (a 2x2 grid: the batch split
-over its rows, the tensor-parallel plan over its columns). A step is what ``zoo.dense.train`` does once: lay out
+over its rows, the tensor-parallel plan over its columns). A step is what ``zoo.training.train`` does once: lay out
 the batch (8 rows: ``ROWS``), forward, ``zero_grad``, backward, AdamW ``step()`` and the loss as a Python number.
 Every variant of a model trains a copy of the same initial weights on the same batches, warm-up steps included,
-and its losses are compared step by step with ``zoo.dense.train`` run by one process (recomputed in every rank
+and its losses are compared step by step with ``zoo.training.train`` run by one process (recomputed in every rank
 of the 4-rank launch): the largest relative difference is recorded, so that a fast but wrong variant shows. Times
 are the slowest rank's, median and quartiles over the timed steps, after a few warm-up steps (first-step caches and
 optimizer state excluded). There are few steps per variant: the point is a picture over many models, not a
@@ -54,7 +54,7 @@ import sbp_torch as st
 from benchmarks import harness
 from sbp_torch._api._module import sbp_for
 from sbp_torch.sbp import Broadcast, Partial, Split, broadcast
-from zoo import dense
+from zoo import dense, training
 
 TITLE = "Model zoo: training steps of Hugging Face models with sbp_torch, DTensor and one process"
 WORLDS = [1, 4]
@@ -79,20 +79,6 @@ def _placements(sbp: tuple) -> list:
         raise TypeError(f"no DTensor placement for {s!r}")
 
     return [one(s) for s in sbp]
-
-
-def _step(model: nn.Module, lay_out_batch=lambda t: t):
-    """One step of ``zoo.dense.train`` as a function of the batch, on a persistent AdamW."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)  # as zoo.dense.train
-
-    def step(batch):
-        loss = model(**{k: lay_out_batch(v) for k, v in batch.items()}).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        return loss.item()
-
-    return step
 
 
 def _distribute_model(model: nn.Module, mesh: DeviceMesh, plan, placement) -> nn.Module:
@@ -122,7 +108,7 @@ def _dtensor_step(zoo_model, layout, mesh: DeviceMesh):
         plan = (broadcast,) * placement.ndim
     model = _distribute_model(dense.make(zoo_model), mesh, plan, placement)
     batch_placements = _placements(layout.batch_sbp)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)  # as zoo.dense.train
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)  # as zoo.training.trainer
 
     def step(batch):
         with implicit_replication():  # the models build plain tensors in forward
@@ -136,7 +122,7 @@ def _dtensor_step(zoo_model, layout, mesh: DeviceMesh):
 
 
 def _train_plain(zoo_model, batches, warmup: int, repeats: int) -> tuple[dict, list[float]]:
-    step, feed, losses = _step(dense.make(zoo_model)), iter(batches), []
+    step, feed, losses = training.trainer(dense.make(zoo_model)), iter(batches), []
     stats = harness.timed_interleaved({"plain": lambda: losses.append(step(next(feed)))}, repeats, warmup)
     return stats["plain"], losses
 
@@ -169,10 +155,10 @@ def measure(world: int, quick: bool) -> list[dict]:
     meshes = {layout.name: DeviceMesh("cpu", layout.ranks) for layout in dense.LAYOUTS}  # once: new groups
     for zoo_model in models:
         batches = dense.batches(zoo_model, warmup + repeats, rows=ROWS)
-        want, _ = dense.train(dense.make(zoo_model), batches)
+        want, _ = training.train(dense.make(zoo_model), batches)
         for layout in dense.LAYOUTS:
             steps = {
-                "sbp_torch": harness.Guarded(lambda: _step(*dense.lay_out(zoo_model, layout)), __file__),
+                "sbp_torch": harness.Guarded(lambda: training.trainer(*dense.lay_out(zoo_model, layout)), __file__),
                 "dtensor": harness.Guarded(lambda: _dtensor_step(zoo_model, layout, meshes[layout.name]), __file__),
             }
             for library, (stats, guarded) in harness.train_in_turns(steps, batches, warmup, repeats).items():
@@ -274,7 +260,7 @@ def report(rows: list[dict]) -> str:
     if ran:
         steps = len(ran[0]["losses"])
         text = (
-            f"Loss differences: largest relative difference from single-process training (`zoo.dense.train`, "
+            f"Loss differences: largest relative difference from single-process training (`zoo.training.train`, "
             f"recomputed in each rank of the 4-rank launch) over all {steps} steps, warm-up included."
         )
         plain = {r["model"]: r["losses"] for r in rows if r["library"] == "plain"}

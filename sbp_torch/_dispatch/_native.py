@@ -1,4 +1,4 @@
-"""``GlobalTensor.__torch_dispatch__``: the C hit path (``csrc/hit_paths.c``, built by ``setup.py`` as ``_hit``)
+"""``GlobalTensor.__torch_dispatch__``: the C hit path (``csrc/dispatch_hit.c``, built by ``setup.py`` into ``_hit``)
 where it is built, else the Python ``torch_dispatch``. The C handler runs a cached simple plan (``CallPlan.simple``)
 with no Python frame and hands every other call to ``dispatch``, which keys and looks it up again; it reads the same
 call cache, so both answer every call alike. ``SBP_TORCH_NATIVE_HIT=0`` keeps the Python handler."""
@@ -28,7 +28,7 @@ def _scalar_positions(func) -> frozenset:
 
 NATIVE = configure is not None and os.environ.get("SBP_TORCH_NATIVE_HIT", "1") not in ("0", "")
 if NATIVE:
-    configure(
+    configure(  # each keyword is a row of the table of ``configure`` in ``csrc/dispatch_hit.c``
         global_tensor=GlobalTensor,
         tensor=torch.Tensor,
         call_plan=CallPlan,
@@ -68,8 +68,8 @@ PYTHON_CALLEES = (dispatch, _scalar_positions, checked_global, comm.local_failur
 
 def native_local_calls(**objects) -> tuple:
     """The C ``_local_or_below_autograd`` of the frontend's local calls and the eager part of its torch function,
-    given the objects they read (see ``configure_local`` in ``csrc/hit_paths.c``); (None, None) where the C hit
-    paths are not in use."""
+    given the objects they read (the table of ``configure_local`` in ``csrc/local_calls_hit.c``); (None, None)
+    where the C hit paths are not in use."""
     if not NATIVE:
         return None, None
     configure_local(**objects)

@@ -14,7 +14,7 @@
    reads the local parts, which a trace must reach only through ``__torch_dispatch__``;
 5. everything else goes below autograd to ``__torch_dispatch__``, the dispatcher.
 
-Where the C hit paths are built (``csrc/hit_paths.c``), an eager call past step 1 runs steps 2 to 5 in C when none
+Where the C hit paths are built (``csrc/local_calls_hit.c``), an eager call past step 1 runs steps 2 to 5 in C when none
 of steps 2, 3 and the compile check has anything to do (no plain tensor with dims, no write step 2 rewrites, no
 batched matmul or attention, no compilation); otherwise C does nothing and the steps run here in Python."""
 
@@ -99,7 +99,7 @@ def _local_or_below_autograd(func, types, args, kwargs):
     return run_below_autograd(func, args, kwargs) if result is NOT_HANDLED else result
 
 
-# ``_local_or_below_autograd`` in C where the hit paths are built (``csrc/hit_paths.c``): a learnt local call that
+# ``_local_or_below_autograd`` in C where the hit paths are built (``csrc/local_calls_hit.c``): a learnt local call that
 # returns a tensor, an argument or None, and every call that is no local call, run there; first sights, learning and
 # other returns go to the Python function, so both answer every call alike. With it, ``_EAGER`` runs the steps of
 # ``torch_function`` above for an eager call in C, and answers ``NOT_HANDLED``, having done nothing, where the Python
@@ -133,7 +133,7 @@ _LOCAL_OR_BELOW_AUTOGRAD = _NATIVE_LOCAL or _local_or_below_autograd
 @contextlib.contextmanager
 def python_handlers(dispatch: bool = True, local_calls: bool = True):
     """Within the block, global tensors take sbp_torch's Python handlers instead of its C hit paths
-    (``csrc/hit_paths.c``): the dispatcher's (``dispatch``) and the frontend's local calls and eager steps
+    (``csrc/hit_module.c``): the dispatcher's (``dispatch``) and the frontend's local calls and eager steps
     (``local_calls``), for comparing or timing one against the other in one process. Where the C paths are not
     built, it changes nothing."""
     global _EAGER, _LOCAL_OR_BELOW_AUTOGRAD

@@ -1,7 +1,7 @@
 """Host synchronisations in training steps on one GPU, as CUDA's sync debug mode reports them: plain PyTorch against
 sbp_torch on a one-rank placement.
 
-    python benchmarks/sync_check.py [--steps 3]
+    python diagnostics/sync_check.py [--steps 3]
 
 For each model of the ``gpt_cuda`` suite at its ``--quick`` sizes (the GPT example and an unmodified ``transformers``
 GPT-2 with ``sdpa`` attention), plain and laid out as that suite lays it out (``Module.to_global``, the batch
