@@ -6,7 +6,9 @@ the same initial weights train on the same batches (8 rows: even over 4 and over
 
 * the hand layouts, each priced by ``planner.predict`` (the whole step traced as it will run);
 * ``planned``: ``planner.plan(model, batch, 4, costs=calibrated)``, applied by ``model.to_global(plan)``, the
-  batch laid out by ``plan.layout``.
+  batch laid out by ``plan.layout``;
+* ``measured 1`` to ``measured 3``: three fresh plans with ``measure=5`` (every mesh and storage of 4 ranks timed
+  for a few steps inside the planner, the fastest measured taken), each then timed as the other variants are.
 
 A step is forward, ``zero_grad``, backward, AdamW ``step()`` and the loss as a number; times are the slowest
 rank's, median and quartiles over the timed steps after warm-up. The planned variant's losses are compared with
@@ -44,6 +46,7 @@ WORLDS = [4]
 ROWS = 8
 STEPS, QUICK_STEPS = (2, 8), (1, 3)  # (warm-up, timed)
 ZOO = ("gpt_neox", "qwen2", "bert")
+MEASURED_PLANS, MEASURE = 3, 5  # fresh plans per model with plan(measure=MEASURE): every candidate on 4 ranks
 
 
 class _Case:
@@ -222,26 +225,27 @@ def measure(world: int, quick: bool) -> list[dict]:
                     "loss_diff": harness.relative_difference(losses, want),
                 }
             )
-        started = time.perf_counter()
-        plan = planner.plan(reference, batches[0], 4, costs=costs)
-        seconds = time.perf_counter() - started
-        model = copy.deepcopy(reference).to_global(plan)
-        stats, losses = _timed_steps(_trainer(model, plan.layout), batches, warmup, timed)
-        rows.append(
-            {
-                "kind": "step",
-                "model": case.name,
-                "variant": "planned",
-                "layout": plan.label,
-                **stats,
-                "predicted_s": plan.predicted.step_s,
-                "loss_diff": harness.relative_difference(losses, want),
-                "plan_seconds": seconds,
-                "decisions": plan.decisions,
-            }
-        )
-        if dist.get_rank() == 0:
-            print(f"{case.name}: planned {plan.label}, {stats['median_us'] / 1e3:.1f} ms", flush=True)
+        for variant, measure in [("planned", 0)] + [(f"measured {i + 1}", MEASURE) for i in range(MEASURED_PLANS)]:
+            started = time.perf_counter()
+            plan = planner.plan(reference, batches[0], 4, costs=costs, measure=measure)
+            seconds = time.perf_counter() - started
+            model = copy.deepcopy(reference).to_global(plan)
+            stats, losses = _timed_steps(_trainer(model, plan.layout), batches, warmup, timed)
+            rows.append(
+                {
+                    "kind": "step",
+                    "model": case.name,
+                    "variant": variant,
+                    "layout": plan.label,
+                    **stats,
+                    "predicted_s": plan.predicted.step_s,
+                    "loss_diff": harness.relative_difference(losses, want),
+                    "plan_seconds": seconds,
+                    "decisions": plan.decisions,
+                }
+            )
+            if dist.get_rank() == 0:
+                print(f"{case.name}: {variant} {plan.label}, {stats['median_us'] / 1e3:.1f} ms", flush=True)
     rows += _uneven_rows(costs)
     rows += _memory_rows(costs, quick)
     return rows
@@ -258,8 +262,9 @@ def report(rows: list[dict]) -> str:
     table, summary = [], []
     for model in dict.fromkeys(r["model"] for r in steps):
         mine = [r for r in steps if r["model"] == model]
-        hand = [r for r in mine if r["variant"] != "planned"]
+        hand = [r for r in mine if r["variant"] != "planned" and not r["variant"].startswith("measured")]
         planned = next(r for r in mine if r["variant"] == "planned")
+        measured = [r for r in mine if r["variant"].startswith("measured")]
         best = min(hand, key=lambda r: r["median_us"])
         for r in mine:
             error = (r["predicted_s"] * 1e6 - r["median_us"]) / r["median_us"]
@@ -281,6 +286,7 @@ def report(rows: list[dict]) -> str:
                 model,
                 planned["layout"],
                 f"{planned['median_us'] / best['median_us']:.2f}x ({best['variant']})",
+                ", ".join(f"{r['layout']} {r['median_us'] / best['median_us']:.2f}x" for r in measured),
                 " < ".join(predicted_order),
                 " < ".join(measured_order),
                 "yes" if predicted_order == measured_order else "no",
@@ -295,6 +301,7 @@ def report(rows: list[dict]) -> str:
                 "model",
                 "planned",
                 "planned vs best hand layout",
+                f"measure={MEASURE}: {MEASURED_PLANS} fresh plans vs the best hand layout",
                 "predicted order",
                 "measured order",
                 "same",
