@@ -18,6 +18,7 @@ import shutil
 
 from setuptools import Extension, find_packages, setup
 
+TRANSFORMERS = "transformers==5.24.0"
 # Hidden symbols: the parts share names (hit.h) that no other library loaded into the process may take.
 DISPATCH_HIT = Extension(
     "sbp_torch._dispatch._hit",
@@ -58,17 +59,10 @@ setup(
     # numpy: torch warns at import without it, and the planner uses it; scipy: the planner's integer program
     install_requires=["torch>=2.11", "numpy", "scipy>=1.9"],
     extras_require={
-        # expecttest: imported by torch's OpInfo database; ruff and import-linter: the lint tests; transformers
-        # (pinned: the zoo test trains its models as they are in that version)
-        "test": [
-            "pytest>=7",
-            "pytest-timeout",
-            "hypothesis>=6",
-            "expecttest",
-            "ruff",
-            "import-linter",
-            "transformers==5.24.0",
-        ],
+        # transformers, for examples/train.py and the zoo (pinned: the zoo's models train as they are in that version)
+        "train": [TRANSFORMERS],
+        # expecttest: imported by torch's OpInfo database; ruff and import-linter: the lint tests
+        "test": ["pytest>=7", "pytest-timeout", "hypothesis>=6", "expecttest", "ruff", "import-linter", TRANSFORMERS],
         "bench": ["matplotlib"],
     },
     **_extensions(),

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv and install sbp_torch into it (editable); `bootstrap.sh test` adds the test tools.
+# Create .venv and install sbp_torch into it (editable), with transformers for examples/train.py; `bootstrap.sh test`
+# adds the test tools.
 # The venv sees system packages, so an installed torch >= 2.11 (say a CUDA build on a GPU machine with no
 # network) is used as it is; otherwise the CPU build of torch 2.13.0 is installed, pinned because an open
 # range would pull a multi-GB CUDA build.
@@ -14,6 +15,6 @@ then
   .venv/bin/pip install -q torch==2.13.0
 fi
 .venv/bin/pip install -q "setuptools>=70.1"  # builds editable wheels without the separate wheel package
-extras=""
-if [ "${1:-}" = "test" ]; then extras="[test]"; fi
+extras="[train]"  # transformers, which examples/train.py (the README's first command) trains
+if [ "${1:-}" = "test" ]; then extras="[train,test]"; fi
 .venv/bin/pip install -q --no-build-isolation -e ".${extras}"

@@ -109,3 +109,16 @@ def batches(steps: int, rows: int, seed: int = 1234, seq: int = SEQ) -> list[dic
         ids = torch.randint(0, VOCAB, (rows, seq), generator=generator)
         out.append({"input_ids": ids, "labels": ids})
     return out
+
+
+def tensor_parallel(axis_sbp: Callable) -> dict:
+    """The tensor-parallel plan of Mixtral and Qwen3-MoE: the attention Megatron-style (q, k and v column-parallel,
+    o row-parallel) and the experts split by expert over the same axis, where the tokens are broadcast, so each rank
+    adds its own experts' share (docs/moe.md). ``axis_sbp(s)`` turns the SBP of the tensor-parallel axis into the
+    whole SBP; everything unnamed (embeddings, norms, routers) stays broadcast."""
+    from sbp_torch.sbp import split
+
+    plan = {f"*.self_attn.{name}.*": axis_sbp(split(0)) for name in ("q_proj", "k_proj", "v_proj")}
+    plan["*.self_attn.o_proj.weight"] = axis_sbp(split(1))
+    plan["*.experts.*"] = axis_sbp(split(0))
+    return plan
