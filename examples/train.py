@@ -5,7 +5,8 @@ process.
         [--model qwen2 | gpt_neox | opt | mixtral | qwen3_moe | DIR] [--layout plan | dp | sharded | tp | 2d]
         [--steps 20] [--batch-size 8] [--seq-len 16] [--grad-accum-steps 1]
         [--lr 3e-3] [--warmup-steps 2] [--decay cosine | linear | constant] [--weight-decay 0.1] [--max-norm 1.0]
-        [--memory-limit 512MiB] [--eager | --backend eager | aot_eager | inductor] [--data FILE [--tokenizer DIR]]
+        [--measure K] [--memory-limit 512MiB] [--eager | --backend eager | aot_eager | inductor]
+        [--data FILE [--tokenizer DIR]]
         [--checkpoint-dir DIR [--checkpoint-every 10] [--keep-checkpoints K] [--resume [STEP]]]
         [--check auto | on | off] [--metrics FILE.jsonl] [--plot FILE.png] [--config FILE.toml]
 
@@ -18,13 +19,15 @@ process.
    with ``--data FILE``, windows of the file's tokens (``--tokenizer DIR``'s, else its bytes, the model's
    vocabulary grown to 256 where it is smaller). Step ``k``'s batch is a function of ``k`` and ``--seed`` alone, the
    same on every rank, so a resumed run sees the data an uninterrupted one saw.
-3. **Layout.** ``plan`` (the default): ``sbp_torch.planner.plan`` picks the mesh, the tensor-parallel splits and
-   the sharding under ``--memory-limit`` (docs/planning.md); rank 0 plans before the process group starts and sends
-   the plan to the others. Or a layout written by hand, on the ranks of the job: ``dp`` (parameters broadcast, batch
-   split by rows), ``sharded`` (``dp`` with every parameter stored split, as FSDP2 and ZeRO do), ``tp`` (the
-   model's Megatron-style plan from the zoo, batch broadcast; a mixture-of-experts model's experts split by expert)
-   and ``2d`` (data parallel over the rows of a grid of 2 columns, tensor parallel within each row).
-   ``model.to_global`` lays the model out (docs/training.md).
+3. **Layout.** ``plan`` (the default): ``sbp_torch.planner.plan`` picks the mesh, the tensor-parallel splits and the
+   sharding under ``--memory-limit`` (docs/planning.md); rank 0 plans before the process group starts and sends the
+   plan to the others. With ``--measure K`` every rank plans inside the group, and the ``K`` layouts predicted
+   fastest are timed for a few real steps; the fastest measured is taken (the prediction leaves out what an eager
+   step pays in Python and what ranks sharing cores cost each other). Or a layout written by hand, on the ranks of
+   the job: ``dp`` (parameters broadcast, batch split by rows), ``sharded`` (``dp`` with every parameter stored
+   split, as FSDP2 and ZeRO do), ``tp`` (the model's Megatron-style plan from the zoo, batch broadcast; a mixture-
+   of-experts model's experts split by expert) and ``2d`` (data parallel over the rows of a grid of 2 columns,
+   tensor parallel within each row). ``model.to_global`` lays the model out (docs/training.md).
 4. **Step.** AdamW with linear warmup then ``--decay``, gradients accumulated over ``--grad-accum-steps``
    micro-batches and clipped to ``--max-norm``. The whole step (the batch's layout, forwards, backwards, clipping,
    AdamW) is one program of this rank's local ops and collectives, traced by ``sbp_torch.compile_step``
@@ -53,7 +56,8 @@ Options come from the command line, or from a TOML or JSON file (``--config``) w
 (``batch-size`` or ``batch_size``; tables only group them); the command line wins.
 
 The model's configuration is kept as it is, ``use_cache`` included: with it off, ``transformers`` reads the
-position ids to look for packed sequences, which neither a plan's trace nor a compiled step can do.
+position ids to look for packed sequences, a branch on a tensor that a compiled step refuses (a plan's trace follows
+those values, docs/planning.md).
 """
 
 from __future__ import annotations
@@ -265,7 +269,8 @@ def make_plan(args, model, source, world: int) -> planner.Plan:
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(f"planning {type(model).__name__} for {world} ranks ...", flush=True)
     ids = source.batch(0)
-    plan = planner.plan(model, {"input_ids": ids, "labels": ids}, world, memory_per_rank=args.memory_limit)
+    batch = {"input_ids": ids, "labels": ids}
+    plan = planner.plan(model, batch, world, memory_per_rank=args.memory_limit, measure=args.measure)
     if saved and (not dist.is_initialized() or dist.get_rank() == 0):
         os.makedirs(args.checkpoint_dir, exist_ok=True)
         plan.save(saved)
@@ -455,6 +460,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--weight-decay", type=float, default=0.1, help="(default: 0.1)")
     add("--max-norm", type=float, default=1.0, help="clip the gradients' norm to this; 0: no clipping (default: 1)")
     add("--plan", help="for --layout plan: the plan saved in this file (Plan.save), rather than a new one")
+    add(
+        "--measure",
+        type=int,
+        default=0,
+        metavar="K",
+        help="for --layout plan: every rank times the K layouts predicted fastest and takes the fastest measured",
+    )
     add("--memory-limit", type=parse_bytes, help="per rank (512MiB, 2GB): the plan's; checked after step 1 by hand")
     add("--eager", action="store_true", help="run each step op by op instead of as one program")
     add("--backend", default="eager", help="torch.compile backend of the step's program: eager, aot_eager, inductor")
@@ -650,7 +662,7 @@ def main(argv=None) -> None:
         import matplotlib  # noqa: F401  (missing, it stops the job before training rather than after)
     prepared = model_and_batches(args)
     plan_json = None
-    if args.layout == "plan" and int(os.environ.get("RANK", 0)) == 0:
+    if args.layout == "plan" and not args.measure and int(os.environ.get("RANK", 0)) == 0:
         # Rank 0 plans before the process group starts: the planner needs none, and one process planning is faster
         # than every rank planning on cores they share. (Where it fails, torchrun stops the other ranks.)
         world = int(os.environ.get("WORLD_SIZE", 1))
@@ -661,7 +673,9 @@ def main(argv=None) -> None:
     st.init_process_group("gloo")  # as torch.distributed's, and a job torchrun restarts rendezvouses afresh
     try:
         plan = None
-        if args.layout == "plan":
+        if args.layout == "plan" and args.measure:  # (timing real steps takes every rank)
+            plan = make_plan(args, *prepared, dist.get_world_size())
+        elif args.layout == "plan":
             shared = [plan_json]
             dist.broadcast_object_list(shared, src=0)
             plan = planner.Plan.from_json(shared[0])
