@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 from benchmarks import harness
 from benchmarks.harness import DOCS
@@ -93,12 +94,15 @@ def _launch(suite: str, world: int, quick: bool) -> list[dict]:
             return json.load(f)
 
 
-def run_suite(name: str, quick: bool) -> None:
+def run_suite(name: str, quick: bool, position: str = "") -> None:
+    """Measure one suite (``position``: where it stands in a run of several, ``[2/14]``) and write its docs."""
     suite = _suite(name)
     rows = []
+    started = time.perf_counter()
     for world in suite.WORLDS:
-        print(f"{name}: {world} ranks", flush=True)
+        print(f"{position}{name}: {world} ranks", flush=True)
         rows += _launch(name, world, quick)
+    print(f"{position}{name}: measured in {time.perf_counter() - started:.0f} s", flush=True)
     os.makedirs(DOCS, exist_ok=True)
     with open(os.path.join(DOCS, f"{name}.json"), "w") as f:
         json.dump({"machine": harness.machine(), "quick": quick, "rows": rows}, f, indent=1)
@@ -145,11 +149,13 @@ def main() -> None:
             if os.path.exists(os.path.join(DOCS, f"{name}.json")):
                 render(name)
         return
-    for name in SUITES if args.suite == "all" else [args.suite]:
+    names = SUITES if args.suite == "all" else [args.suite]
+    for index, name in enumerate(names):
+        position = f"[{index + 1}/{len(names)}] " if len(names) > 1 else ""
         if getattr(_suite(name), "NEEDS_CUDA", False) and not _cuda_available():
-            print(f"{name}: skipped, no CUDA GPU here", flush=True)
+            print(f"{position}{name}: skipped, no CUDA GPU here", flush=True)
             continue
-        run_suite(name, args.quick)
+        run_suite(name, args.quick, position)
 
 
 def _cuda_available() -> bool:
