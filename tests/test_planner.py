@@ -194,6 +194,24 @@ def test_the_trace_answers_reads_of_the_batchs_and_factories_values_and_refuses_
         planner.plan(_Branching(read_parameter=True), (torch.zeros(2, 4), ids), 2)
 
 
+def test_a_mixture_of_experts_model_plans_with_its_experts_as_regions_and_prices_their_exchange_as_even_routing():
+    """The trace runs each experts module as the region ``Module.to_global`` installs (not op by op, where
+    grouped_mm's meta kernel refuses float32), and its forwards are restored after; an expert-parallel layout's
+    data-dependent all-to-alls are priced as if each expert got as many rows."""
+    moe = pytest.importorskip("zoo.moe")
+    model, batch = moe.make("mixtral"), moe.batches(1, 8)[0]
+    plan = planner.plan(model, batch, 4)
+    assert set(plan.parameters) == {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    assert all("forward" not in m.__dict__ for m in model.modules())  # (regions gone: the model is as it was)
+    placement = st.placement("cpu", [0, 1, 2, 3])
+    experts = {"*.experts.*": moe.LAYOUTS["EP"].experts}
+    split_experts = planner.predict(model, batch, placement, experts)
+    replicated = planner.predict(model, batch, placement, {})
+    # per layer: the counts, the rows there and back, and the gradients of both
+    assert split_experts.collectives["all-to-all"] == 5 * model.config.num_hidden_layers
+    assert split_experts.comm_s > replicated.comm_s
+
+
 def test_every_cost_model_prices_every_collective_the_package_issues():
     from sbp_torch._boxing import POINT_TO_POINT as SEND_RECV
     from sbp_torch._comm import POINT_TO_POINT as EXCHANGE

@@ -19,6 +19,7 @@ experts with split tokens gathers its tokens (the all-to-all runs on one axis). 
 out in another way (an expert's weight split along a feature dim) is left alone: its ops then run through the
 signature table, which is exact but gathers."""
 
+import contextlib
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,6 +59,22 @@ def install_expert_regions(model: nn.Module) -> None:
         kind = next((k for k in EXPERT_MODULES if k.matches(module)), None)
         if kind is not None and not isinstance(module.forward, ExpertsRegion):
             module.forward = ExpertsRegion(module, kind)
+
+
+@contextlib.contextmanager
+def expert_regions(model: nn.Module):
+    """Within the block, the experts modules of ``model`` run as their regions, as once laid out (the planner's
+    trace prices them so); afterwards each module's forward is what it was."""
+    before = {module: module.__dict__.get("forward") for module in model.modules()}
+    install_expert_regions(model)
+    try:
+        yield
+    finally:
+        for module, forward in before.items():
+            if forward is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = forward
 
 
 class ExpertsRegion:
@@ -104,10 +121,12 @@ class ExpertsRegion:
             setattr(self.module, self.kind.count, kept)
 
     def _body(self, hidden, top_k_index, top_k_weights, *, held: "_Held", group):
-        if comm.estimating():  # explain: routing has no values; the exchanges are listed as data-dependent
-            if group is not None:
-                _note_exchanges(group, held)
-                hidden = _NotedInBackward.apply(hidden, group)
+        if comm.estimating():  # explain, the planner: routing has no values; the exchanges are data-dependent
+            if group is not None:  # (each (token, choice) row is sent: the cost rule counts this rank's share)
+                rows = hidden.shape[0] * top_k_index.shape[-1]
+                even = comm.DataDependent(rows * hidden.shape[-1] * hidden.element_size())
+                _note_exchanges(group, held, even)
+                hidden = _NotedInBackward.apply(hidden, group, even)
             return hidden * 0
         if group is None and held.everything:
             return self.original(hidden, top_k_index, top_k_weights)
@@ -248,25 +267,25 @@ class _Exchange(torch.autograd.Function):
         return back, None, None, None, None
 
 
-def _note_exchanges(group, held: _Held) -> None:
+def _note_exchanges(group, held: _Held, even: comm.DataDependent) -> None:
     with comm.caused_by(_cause(_COUNTS)):
         comm.notify("all-to-all", group, lambda: held.slots * 8)
     for label in (_DISPATCH, _COMBINE):
         with comm.caused_by(_cause(label)):
-            comm.notify("all-to-all", group, lambda: None)  # as many rows as the routing sends
+            comm.notify("all-to-all", group, lambda: even)  # as many rows as the routing sends
 
 
 class _NotedInBackward(torch.autograd.Function):
     """Lists the backward's two data-dependent all-to-alls (for ``explain``)."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, even):
+        ctx.group, ctx.even = group, even
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
         for label in (f"gradient of the {_COMBINE}", f"gradient of the {_DISPATCH}"):
             with comm.caused_by(_cause(label)):
-                comm.notify("all-to-all", ctx.group, lambda: None)
-        return grad, None
+                comm.notify("all-to-all", ctx.group, lambda: ctx.even)
+        return grad, None, None

@@ -25,6 +25,7 @@ class Collective:
     bytes: int | None  # what this rank puts in; None: data-dependent (tokens routed to experts)
     cause: str  # the op and its signature, or the conversion, that needed it
     backward: bool  # issued by the backward pass
+    even_estimate: int | None = None  # where data-dependent: the bytes if routing were even (what the planner prices)
 
 
 class Explanation(list):
@@ -53,7 +54,9 @@ def recorder(found: list, phase: dict):
     backward while ``phase["backward"]``."""
 
     def note(kind, group, nbytes):
-        found.append(Collective(kind, tuple(group.ranks), nbytes, comm.cause(), phase["backward"]))
+        even = nbytes.estimate if isinstance(nbytes, comm.DataDependent) else None
+        nbytes = None if isinstance(nbytes, comm.DataDependent) else nbytes
+        found.append(Collective(kind, tuple(group.ranks), nbytes, comm.cause(), phase["backward"], even))
 
     return note
 

@@ -35,7 +35,7 @@ from ._faults import (
     posted_failures,
 )
 from ._groups import AxisGroup, axis_group, ensure_groups, forget_groups
-from ._observer import UNNAMED, cause, caused_by, estimating, naming_cause, notify, observed, observing
+from ._observer import UNNAMED, DataDependent, cause, caused_by, estimating, naming_cause, notify, observed, observing
 from ._primitives import local_failure, traced
 from ._step_calls import (
     announce_call,

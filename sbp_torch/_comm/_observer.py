@@ -11,6 +11,7 @@ import contextlib
 import contextvars
 import functools
 from collections.abc import Callable
+from typing import NamedTuple
 
 from torch.compiler import is_compiling
 
@@ -21,6 +22,14 @@ _OBSERVER: contextvars.ContextVar = contextvars.ContextVar("sbp_torch_collective
 # None, or a string or a callable giving one: the innermost cause named (``caused_by``).
 _CAUSE: contextvars.ContextVar = contextvars.ContextVar("sbp_torch_collective_cause", default=None)
 UNNAMED = "boxing"  # the cause of a collective issued where no code named one
+
+
+class DataDependent(NamedTuple):
+    """What a collective whose size depends on values (tokens routed to experts) puts in, told to an observer: not
+    known, but ``estimate`` bytes if the values fall evenly (each expert gets as many rows), which the planner
+    prices; ``explain`` lists the collective as data-dependent."""
+
+    estimate: int
 
 
 @contextlib.contextmanager

@@ -78,10 +78,15 @@ def _merged(a: dict, b: dict, k: float) -> dict:
 def from_trace(measured: Measured, costs: CostModel) -> Estimate:
     """The estimate of a traced piece: its ops' roofline time, its collectives, its saved activations."""
     compute = sum(costs.op_s(flops, nbytes, dtype) for flops, nbytes, dtype in measured.ops)
-    comm = sum(costs.collective_s(c.kind, c.ranks, c.bytes) for c in measured.collectives)
+    comm = sum(costs.collective_s(c.kind, c.ranks, _bytes(c)) for c in measured.collectives)
     kinds = dict(collections.Counter(c.kind.split(" (")[0] for c in measured.collectives))
     memory = {"activations": measured.saved_bytes, "temporaries": max(measured.peak_bytes - measured.saved_bytes, 0)}
     return Estimate(compute, comm, memory=memory, collectives=kinds)
+
+
+def _bytes(collective) -> int:
+    """What a collective puts in; for one whose size depends on values (routing), its size if routing is even."""
+    return collective.bytes if collective.bytes is not None else collective.even_estimate or 0
 
 
 def _local_bytes(meta: GlobalMeta) -> int:

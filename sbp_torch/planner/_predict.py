@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+from .._api._experts import expert_regions
 from .._api._module import sbp_for
 from .._layout import Placement
 from ._cost_model import CPU_GLOO, CostModel
@@ -33,7 +34,7 @@ def predict(
     takes it, the batch split over ``data_axis`` (None: broadcast), parameters stored split over the data axis
     when ``shard``. The whole step is traced (no units cut, nothing pinned), as it will run."""
     size = math.prod(placement.shape)
-    with planning_world(size):
+    with planning_world(size), expert_regions(model):
         tracer = Tracer(model, example_batch, Mesh(tuple(placement.shape), data_axis, tensor_axis), loss)
         layouts = {
             name: sbp_for(name, p, sbp, tracer.placement) for name, p in model.named_parameters(remove_duplicate=False)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from scipy.optimize import Bounds, LinearConstraint, milp
 from torch import nn
 
+from .._api._experts import expert_regions
 from .._layout import Placement, broadcast
 from .._tensor import GlobalTensor
 from ._cost_model import CPU_GLOO, CostModel
@@ -108,7 +109,7 @@ def plan(
     rows = [t.shape[0] for t in torch.utils._pytree.tree_flatten(example_batch)[0] if isinstance(t, torch.Tensor)]
     candidates, smallest, traces, methods = [], None, 0, set()
     reporter = Progress(len(meshes), progress)
-    with planning_world(size), contextlib.closing(reporter):
+    with planning_world(size), contextlib.closing(reporter), expert_regions(model):
         groups = None
         for mesh in meshes:
             reporter.mesh(describe_mesh(mesh.shape, mesh.data_axis, mesh.tensor_axis, False))
