@@ -270,6 +270,8 @@ def make_plan(args, model, source, world: int) -> planner.Plan:
         print(f"planning {type(model).__name__} for {world} ranks ...", flush=True)
     ids = source.batch(0)
     batch = {"input_ids": ids, "labels": ids}
+    # The eager step is priced even for a compiled one: plan(compiled=True) takes a program's host time per op as
+    # nil, as it is for Inductor's fused kernels, but this job's default backend runs each op of the program in Python.
     plan = planner.plan(model, batch, world, memory_per_rank=args.memory_limit, measure=args.measure)
     if saved and (not dist.is_initialized() or dist.get_rank() == 0):
         os.makedirs(args.checkpoint_dir, exist_ok=True)

@@ -212,6 +212,15 @@ def test_a_mixture_of_experts_model_plans_with_its_experts_as_regions_and_prices
     assert split_experts.comm_s > replicated.comm_s
 
 
+def test_a_compiled_step_is_priced_without_the_host_time_of_each_op_and_the_plan_says_which_step_it_priced():
+    eager, compiled = (planner.plan(_model(), _batch(8), 2, compiled=c) for c in (False, True))
+    assert (eager.step, compiled.step) == ("eager", "compiled") and "compiled step" in str(compiled).splitlines()[0]
+    assert compiled.predicted.step_s < eager.predicted.step_s
+    assert planner.CPU_GLOO.for_step(compiled=True).op_overhead_s == 0 < planner.CPU_GLOO.op_overhead_s
+    with pytest.raises(ValueError, match="times eager steps"):
+        planner.plan(_model(), _batch(8), 2, compiled=True, measure=2)
+
+
 def test_every_cost_model_prices_every_collective_the_package_issues():
     from sbp_torch._boxing import POINT_TO_POINT as SEND_RECV
     from sbp_torch._comm import POINT_TO_POINT as EXCHANGE

@@ -103,6 +103,14 @@ class CostModel:
         peak = self.flops.get("half" if dtype in _HALF else "float", 1e12)
         return self.op_overhead_s + max(flops / peak, nbytes / self.memory_bandwidth) / self.efficiency
 
+    def for_step(self, compiled: bool) -> CostModel:
+        """The constants for the step that runs: an eager step pays ``op_overhead_s`` per op (the dispatcher's
+        Python); a compiled step (``compile_step``: one program of local ops and collectives) pays no host time per
+        op, its optimizer included."""
+        if not compiled:
+            return self
+        return replace(self, op_overhead_s=0.0)
+
     def with_(self, **changes) -> CostModel:
         """A copy with some constants changed: ``H100.with_(ranks_per_node=4)``."""
         return replace(self, **changes)

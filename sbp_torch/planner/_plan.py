@@ -83,6 +83,7 @@ class Plan:
             (``replicated``: nothing split over its tensor axis, never chosen while another fits; ``measured_s``:
             its timed step, where ``plan(measure=k)`` timed it).
         measured_s: the median seconds of a real step, where ``plan(measure=k)`` timed it (None otherwise).
+        step: the step priced: ``"eager"`` (op by op through the dispatcher) or ``"compiled"`` (``compile_step``).
     """
 
     world_size: int
@@ -99,6 +100,7 @@ class Plan:
     search: dict = field(default_factory=dict)
     alternatives: list = field(default_factory=list)
     measured_s: float | None = None
+    step: str = "eager"
 
     @property
     def label(self) -> str:
@@ -154,7 +156,8 @@ class Plan:
     def __str__(self) -> str:
         p = self.predicted
         lines = [
-            f"plan for {self.world_size} ranks: {self.label} (mesh {list(self.mesh)}), cost model: {self.cost_model}",
+            f"plan for {self.world_size} ranks: {self.label} (mesh {list(self.mesh)}), cost model: {self.cost_model}, "
+            f"{self.step} step",
             f"  predicted step {p.step_s * 1e3:.3f} ms: compute {p.compute_s * 1e3:.3f}, collectives "
             f"{p.comm_s * 1e3:.3f}, parameter traffic {p.param_comm_s * 1e3:.3f} (before overlap), optimizer "
             f"{p.optimizer_s * 1e3:.3f}",

@@ -29,10 +29,13 @@ def predict(
     costs: CostModel = CPU_GLOO,
     optimizer="AdamW",
     loss=None,
+    compiled: bool = False,
 ) -> Prediction:
     """What the planner expects a step of ``model`` laid out by hand to cost: ``sbp`` as ``Module.to_global``
     takes it, the batch split over ``data_axis`` (None: broadcast), parameters stored split over the data axis
-    when ``shard``. The whole step is traced (no units cut, nothing pinned), as it will run."""
+    when ``shard``; ``compiled``: as ``compile_step`` runs it (``CostModel.for_step``). The whole step is traced (no
+    units cut, nothing pinned), as it will run."""
+    costs = costs.for_step(compiled)
     size = math.prod(placement.shape)
     with planning_world(size), expert_regions(model):
         tracer = Tracer(model, example_batch, Mesh(tuple(placement.shape), data_axis, tensor_axis), loss)

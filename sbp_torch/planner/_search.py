@@ -63,6 +63,7 @@ def plan(
     device: str = "cpu",
     progress: bool | None = None,
     measure: int = 0,
+    compiled: bool = False,
 ) -> Plan:
     """The layout of ``model``'s training step on ``world`` ranks with the least predicted step time that fits
     ``memory_per_rank`` bytes (default: the cost model's), found by tracing on global tensors with meta parts: no
@@ -82,6 +83,8 @@ def plan(
         measure: inside a process group of ``world`` ranks, time the ``measure`` layouts predicted fastest for a few
             real steps (eager, on copies of ``model``, with ``example_batch``) and take the fastest measured; the
             plan and its ``alternatives`` record the measured times. 0: take the fastest predicted.
+        compiled: price the step as ``compile_step`` runs it (no host time per op) rather than eager; the plan
+            records which (``Plan.step``).
 
     A layout that runs the whole step on every rank of its tensor axis (nothing split over it) is never taken
     while another fits: the same step without that axis does the same work on more data per rank.
@@ -89,13 +92,19 @@ def plan(
     Raises ``PlanError`` when no layout fits. Inside a process group every rank must call it; the plan is
     rank 0's, the same on every rank."""
     started = time.perf_counter()
+    step = "compiled" if compiled else "eager"
+    costs = costs.for_step(compiled)
     budget = costs.memory_per_rank if memory_per_rank is None else float(memory_per_rank)
     states = optimizer_states(optimizer)
     if any(isinstance(p, GlobalTensor) for p in model.parameters()):
         raise ValueError("plan takes a model that is not laid out yet: plan first, then model.to_global(plan)")
+    if measure and compiled:
+        raise ValueError(f"plan(measure={measure}) times eager steps: plan with compiled=False to measure")
     if measure and not (dist.is_initialized() and dist.get_world_size() == _world_size(world)):
-        raise ValueError(f"plan(measure={measure}) times real steps: call it on every rank of a process group of "
-                         f"{_world_size(world)} ranks")  # fmt: skip
+        raise ValueError(
+            f"plan(measure={measure}) times real steps: call it on every rank of a process group of "
+            f"{_world_size(world)} ranks"
+        )
     if measure and any(p.device.type == "meta" for p in model.parameters()):
         raise ValueError(f"plan(measure={measure}) times real steps: the model's parameters must hold data, not meta")
     if isinstance(world, Placement):
@@ -154,6 +163,8 @@ def plan(
     }
     alternatives = sorted((c.summary(costs) for c in candidates), key=lambda a: a["step_s"])
     plans = [c.plan(model, groups, size, costs, device, search, alternatives) for c in ranked[: max(measure, 1)]]
+    for p in plans:
+        p.step = step
     plans = _rank_0s(plans)  # (in a real group every rank applies, and measures, rank 0's plans)
     found = plans[0]
     if measure:
