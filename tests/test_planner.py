@@ -68,7 +68,7 @@ def test_a_layout_that_runs_the_whole_step_on_every_rank_of_its_tensor_axis_is_n
     """With a second of latency per message, data 2 x tensor 2 with nothing split over tensor is predicted faster
     than data 4 (its all-reduces span 2 ranks, not 4), yet it only repeats data 2's step on twice the ranks."""
     slow_messages = planner.CPU_GLOO.with_(intra=planner.Link(1.0, 1e9), inter=planner.Link(1.0, 1e9))
-    plan = planner.plan(_model(), _batch(8), 4, costs=slow_messages)
+    plan = planner.plan(gpt.GPT(layers=1), _batch(8), 4, costs=slow_messages)
     replicated = [a for a in plan.alternatives if a.get("replicated")]
     assert replicated and min(a["step_s"] for a in replicated) < plan.predicted.step_s
     assert "nothing split" not in plan.label
@@ -76,7 +76,7 @@ def test_a_layout_that_runs_the_whole_step_on_every_rank_of_its_tensor_axis_is_n
 
 
 def _measured_plan_job():
-    plan = planner.plan(_model(), _batch(8), 2, measure=2)
+    plan = planner.plan(gpt.GPT(layers=1), _batch(8), 2, measure=2)
     return plan.to_json()
 
 
