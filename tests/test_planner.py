@@ -152,9 +152,14 @@ def test_an_unmodified_transformers_model_on_the_meta_device_plans_with_dropout_
 def _tiny_llama(use_cache: bool):
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, use_cache=use_cache,
-    )  # fmt: skip
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        use_cache=use_cache,
+    )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config)
 
@@ -219,6 +224,24 @@ def test_a_compiled_step_is_priced_without_the_host_time_of_each_op_and_the_plan
     assert planner.CPU_GLOO.for_step(compiled=True).op_overhead_s == 0 < planner.CPU_GLOO.op_overhead_s
     with pytest.raises(ValueError, match="times eager steps"):
         planner.plan(_model(), _batch(8), 2, compiled=True, measure=2)
+
+
+class _WritingIntoItsBatch(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear, self.seen = torch.nn.Linear(4, 4), []
+
+    def forward(self, x, ids):
+        ids.add_(1)
+        self.seen.append(int(ids.sum()))
+        return self.linear(x).sum()
+
+
+def test_a_model_that_writes_into_its_batch_reads_in_every_trace_what_one_process_reads_and_leaves_the_batch_be():
+    ids = torch.zeros(2, 3, dtype=torch.long)
+    model = _WritingIntoItsBatch()
+    planner.plan(model, (torch.zeros(2, 4), ids), 2)
+    assert int(ids.sum()) == 0 and len(model.seen) > 1 and set(model.seen) == {6}
 
 
 def test_every_cost_model_prices_every_collective_the_package_issues():

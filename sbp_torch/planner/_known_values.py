@@ -86,7 +86,8 @@ class KnownValues:
             return
         plain_kwargs = {k: v for k, v in kwargs.items() if k != "requires_grad"}
         with torch._C.DisableTorchFunction():
-            self.add(out, func(*args, **{**plain_kwargs, "device": "cpu"}))
+            # (a copy: as_tensor may share the caller's memory, and ops of the trace may write into it)
+            self.add(out, func(*args, **{**plain_kwargs, "device": "cpu"}).clone())
 
     def after_op(self, func, args, kwargs, out) -> None:
         """Follow ``func``'s outputs where every tensor input is known; forget what it wrote into otherwise."""
@@ -98,8 +99,9 @@ class KnownValues:
             if any(v is not None and v is not a for v, a in zip(inputs, _tensors(args, kwargs))):
                 self._forget_written(func, args, kwargs)  # (only a known input can be written and forgotten)
             return
-        outputs = [o for o in _tensors((out,), {}) if isinstance(o, GlobalTensor)]
-        if not outputs or any(math.prod(o.shape) > LIMIT for o in outputs):
+        outputs = list(_tensors((out,), {}))
+        globals_ = [o for o in outputs if isinstance(o, GlobalTensor)]
+        if not globals_ or any(math.prod(o.shape) > LIMIT for o in globals_):
             self._forget_written(func, args, kwargs)
             return
         plain = tree_map(_stand_in if value_free else self.value_of, (args, kwargs))
@@ -108,8 +110,9 @@ class KnownValues:
         except Exception:  # noqa: BLE001 - following values is best effort: what it cannot redo stays unknown
             self._forget_written(func, args, kwargs)
             return
-        for o, value in zip(outputs, _tensors((result,), {})):
-            self.add(o, value)
+        for o, value in zip(outputs, _tensors((result,), {})):  # (the plain result, tensor by tensor)
+            if isinstance(o, GlobalTensor):
+                self.add(o, value)
 
     def read(self, func, args, kwargs):
         """``func`` (a value read) answered from the known values of its arguments."""

@@ -47,7 +47,7 @@ def _detached(a, known: KnownValues):
         cut = a.detach().requires_grad_(a.requires_grad)
         value = known.value_of(a)
         if value is not None:
-            known.add(cut, value)
+            known.add(cut, value.clone())  # (each run its own: a run may write into its inputs)
         return cut
     if hasattr(a, "get_seq_length"):
         return None
@@ -80,7 +80,8 @@ class Tracer:
             if not isinstance(x, torch.Tensor):
                 return x
             laid_out = meta_global(GlobalMeta(tuple(x.shape), x.dtype, self.placement, self.mesh.rows_split(x.dim())))
-            self.known.add(laid_out, x.detach().cpu().contiguous())  # (as the laid-out tensor's strides say)
+            # a copy per run, contiguous as the laid-out tensor's strides say: the run may write into its batch
+            self.known.add(laid_out, x.detach().to("cpu", copy=True).contiguous())
             return laid_out
 
         return tree_map(one, self.batch)
