@@ -488,6 +488,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.plan and args.layout != "plan":
         parser.error(f"--plan is the layout of --layout plan, not of --layout {args.layout}")
+    if args.resume and not args.checkpoint_dir:
+        parser.error("--resume continues from a checkpoint of --checkpoint-dir DIR: name the directory")
+    if args.resume not in (None, "latest") and not str(args.resume).isdigit():
+        parser.error(f"--resume takes a step number (the N of DIR/step-N), not {args.resume!r}")
+    if args.measure and args.layout != "plan":
+        parser.error(f"--measure times the planner's candidates: it needs --layout plan, not --layout {args.layout}")
     return args
 
 

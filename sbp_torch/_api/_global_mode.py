@@ -42,7 +42,8 @@ class GlobalMode(TorchFunctionMode):
         self.sbp = sbp
         # the planner traces on global tensors whose parts are on the meta device: factories build those too
         self.parts_on_meta = parts_on_meta
-        self.on_factory = on_factory  # (func, args, kwargs, result) after each factory built; the planner's
+        # called with (func, args, kwargs, result) after each factory built: the planner follows their values
+        self.on_factory = on_factory
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

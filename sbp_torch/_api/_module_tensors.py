@@ -49,6 +49,8 @@ class Swap:
                 slot.set(value)
 
     def put_back(self) -> None:
+        if self.before is None:  # (nothing was put: ``put`` failed before reading the slots, or never ran)
+            return
         for slot, value in reversed(list(zip(self.slots, self.before))):
             slot.set(value)
         self.before = None

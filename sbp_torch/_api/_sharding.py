@@ -103,7 +103,8 @@ class _Unit:
         self.row = max(sum(p.numels[k] for p in params) for k in range(self.group.size))
         self.state = UnitState.FREE
         self.in_flight = None  # finish() of the gather, while GATHERING
-        self.swap: Swap | None = None  # the copies stood in for the parameters, while a forward uses them
+        # the copies stood in for the parameters while a forward uses them, a call inside another on top
+        self.swaps: list[Swap] = []
         self.timeline: list | None = None  # where events go, when a timeline is recorded
 
     @property
@@ -133,7 +134,9 @@ class _Unit:
         if self.gathered:
             return
         self.start()
-        rows, self.in_flight, self.state = self.in_flight(), None, UnitState.FREE
+        rows = self.in_flight()
+        self.in_flight = None
+        self.state = UnitState.FREE  # (until the copies are filled below)
         offsets = [0] * len(rows)
         for p in self.params:
             parts = []
@@ -210,7 +213,9 @@ class ShardedModel:
         self.flush_queued = False
         self.by_storage: dict[int, _Unit] = {}
         self.peak_gathered = 0
-        self.converted: dict[nn.Module, Swap] = {}  # traced: a module's parameters converted for its call
+        # traced: a module's parameters converted for its call (an entry per module: a list per module, as a stack
+        # for nested calls, broke the compiled graph in two)
+        self.converted: dict[nn.Module, Swap] = {}
         self.saved: set[int] = set()  # the storages autograd saved in this step's forward
         self.saved_bytes = 0  # theirs, together
         self.peak_saved = 0
@@ -251,19 +256,19 @@ class ShardedModel:
             unit.note("forward begun")
         else:
             used = [GlobalTensor(p.full, p.compute) for p in unit.params]
-        unit.swap = Swap(
+        swap = Swap(
             [slot for p in unit.params for slot in p.slots()],
             [tensor for p, tensor in zip(unit.params, used) for _ in p.owners],
         )
-        unit.swap.put()
+        swap.put()
+        unit.swaps.append(swap)
         return args, kwargs
 
     def _leave(self, unit: _Unit) -> None:
         if _traced():
             return
-        if unit.swap is not None:
-            unit.swap.put_back()
-            unit.swap = None
+        if unit.swaps:
+            unit.swaps.pop().put_back()
         unit.note("forward done")
         # A forward recomputed inside backward (activation checkpointing) keeps its copies: the recomputed
         # tensors saved for the rest of this backward lie in them; the unit's gradient reduction frees them.

@@ -27,7 +27,8 @@ from ._known_values import PART_READS, KnownValues, refuse_read
 
 @dataclass
 class Measured:
-    """What one run of a piece of the step did on the rank it was traced for (rank 0's coordinates)."""
+    """What one run of a piece of the step did on the rank it was traced for: rank 0 with torch's fake backend, this
+    rank inside a real process group."""
 
     collectives: list[Collective] = field(default_factory=list)
     ops: list[tuple[float, int, torch.dtype]] = field(default_factory=list)  # per global op: local FLOPs, bytes

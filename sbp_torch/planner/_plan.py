@@ -103,8 +103,13 @@ class Plan:
     step: str = "eager"
 
     @property
+    def mesh_label(self) -> str:
+        """The mesh and storage, as ``alternatives`` name them (``"sharded data 2 x tensor 2"``)."""
+        return describe_mesh(self.mesh, self.data_axis, self.tensor_axis, self.sharded)
+
+    @property
     def label(self) -> str:
-        label = describe_mesh(self.mesh, self.data_axis, self.tensor_axis, self.sharded)
+        label = self.mesh_label
         if self.tensor_axis is not None and all(
             not isinstance(sbp_from_text(text)[self.tensor_axis], Split) for text in self.parameters.values()
         ):
@@ -179,7 +184,7 @@ class Plan:
         if self.alternatives:
             timed = any(a.get("measured_s") is not None for a in self.alternatives)
             lines += ["", f"  {'layout tried':32} {'step ms':>10} {'memory':>12}" + (f" {'measured ms':>12}" * timed)]
-            lines += [_alternative_line(a, timed) for a in self.alternatives]
+            lines += [_alternative_line(a, timed, a["label"] == self.mesh_label) for a in self.alternatives]
         if self.search:
             lines += ["", "  search: " + ", ".join(f"{k} {v}" for k, v in self.search.items())]
         return "\n".join(lines)
@@ -215,12 +220,12 @@ def describe_mesh(mesh, data_axis, tensor_axis, sharded) -> str:
     return " x ".join(parts)
 
 
-def _alternative_line(alternative: dict, timed: bool) -> str:
+def _alternative_line(alternative: dict, timed: bool, chosen: bool) -> str:
     line = f"  {alternative['label']:32} {alternative['step_s'] * 1e3:>10.3f} {_mib(alternative['memory_bytes']):>12}"
     if timed:
         measured = alternative.get("measured_s")
         line += f" {'-' if measured is None else f'{measured * 1e3:.3f}':>12}"
-    return line + ("  (nothing split over tensor: not chosen)" if alternative.get("replicated") else "")
+    return line + ("  (nothing split over tensor: not chosen)" if alternative.get("replicated") and not chosen else "")
 
 
 def _mib(nbytes: float) -> str:

@@ -145,46 +145,53 @@ def plan(
                 est = est + step_estimate(costs, tracer.placement, mesh.data_axis, sharded, n_units + 1, est.reduced)
                 candidates.append(_Candidate(est, mesh, sharded, dict(enumerate(picks)), tracer))
             reporter.mesh_done()
-    if not candidates:
+    plans, failure = [], None
+    if candidates:
+        ranked = sorted(candidates, key=lambda c: (c.replicated(), c.est.step_s(costs)))
+        if not ranked[0].replicated():
+            ranked = [c for c in ranked if not c.replicated()]
+        search = {
+            "batch rows": rows[0] if rows else None,
+            "traces": traces,
+            "method": ", ".join(sorted(methods)) or "exhaustive",
+            "seconds": 0.0,
+        }
+        alternatives = sorted((c.summary(costs) for c in candidates), key=lambda a: a["step_s"])
+        plans = [c.plan(model, groups, size, costs, device, search, alternatives) for c in ranked[: max(measure, 1)]]
+        for p in plans:
+            p.step = step
+    else:
         est, label = smallest
         term, nbytes = max(est.memory.items(), key=lambda kv: kv[1])
-        raise PlanError(
+        failure = (
             f"no layout fits {budget / 2**20:.1f} MiB per rank: the smallest found needs "
             f"{est.memory_bytes() / 2**20:.1f} MiB ({label}), most of it {term} ({nbytes / 2**20:.1f} MiB)"
         )
-    ranked = sorted(candidates, key=lambda c: (c.replicated(), c.est.step_s(costs)))
-    if not ranked[0].replicated():
-        ranked = [c for c in ranked if not c.replicated()]
-    search = {
-        "batch rows": rows[0] if rows else None,
-        "traces": traces,
-        "method": ", ".join(sorted(methods)) or "exhaustive",
-        "seconds": 0.0,
-    }
-    alternatives = sorted((c.summary(costs) for c in candidates), key=lambda a: a["step_s"])
-    plans = [c.plan(model, groups, size, costs, device, search, alternatives) for c in ranked[: max(measure, 1)]]
-    for p in plans:
-        p.step = step
-    plans = _rank_0s(plans)  # (in a real group every rank applies, and measures, rank 0's plans)
+    # In a real group every rank applies, and measures, rank 0's plans, or raises rank 0's failure: a rank traces its
+    # own parts, so where splits are uneven the ranks' estimates, and whether a layout fits, may differ.
+    plans, failure = _rank_0s(plans, failure)
+    if failure is not None:
+        raise PlanError(failure)
     found = plans[0]
     if measure:
-        measured = {p.label: step_seconds(model, example_batch, p, optimizer, loss) for p in plans}
-        found = min(plans, key=lambda p: measured[p.label])
-        found.measured_s = measured[found.label]
+        measured = {p.mesh_label: step_seconds(model, example_batch, p, optimizer, loss) for p in plans}
+        found = min(plans, key=lambda p: measured[p.mesh_label])
+        found.measured_s = measured[found.mesh_label]
         for alternative in found.alternatives:
             alternative["measured_s"] = measured.get(alternative["label"])
         found.search["measured"] = len(plans)
     found.search["seconds"] = round(time.perf_counter() - started, 2)
-    return _rank_0s([found])[0]
+    return _rank_0s([found])[0][0]
 
 
-def _rank_0s(plans: list[Plan]) -> list[Plan]:
-    """Rank 0's plans on every rank of a process group (the plans as they are outside one)."""
+def _rank_0s(plans: list[Plan], failure: str | None = None) -> tuple[list[Plan], str | None]:
+    """Rank 0's plans and failure on every rank of a process group (as they are outside one)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return plans
-    shared = [[p.to_json() for p in plans]]
+        return plans, failure
+    shared = [([p.to_json() for p in plans], failure)]
     dist.broadcast_object_list(shared, src=0)
-    return [Plan.from_json(text) for text in shared[0]]
+    texts, failure = shared[0]
+    return [Plan.from_json(text) for text in texts], failure
 
 
 def _world_size(world) -> int:
