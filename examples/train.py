@@ -492,6 +492,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--resume continues from a checkpoint of --checkpoint-dir DIR: name the directory")
     if args.resume not in (None, "latest") and not str(args.resume).isdigit():
         parser.error(f"--resume takes a step number (the N of DIR/step-N), not {args.resume!r}")
+    if args.checkpoint_dir and not args.resume and saved_steps(args.checkpoint_dir):
+        # (a fresh run would write its plan beside them, and a later --resume would mix the two runs)
+        steps = saved_steps(args.checkpoint_dir)
+        parser.error(
+            f"{args.checkpoint_dir} holds the checkpoints of an earlier run (steps {steps}): --resume continues it; "
+            "a fresh run needs another directory"
+        )
     if args.measure and args.layout != "plan":
         parser.error(f"--measure times the planner's candidates: it needs --layout plan, not --layout {args.layout}")
     return args
