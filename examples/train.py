@@ -613,7 +613,7 @@ def run(args, prepared: tuple | None = None, plan: planner.Plan | None = None) -
         say(f"steps after the first two: {steady * 1e3:.1f} ms, {tokens / steady:,.0f} tokens/s", flush=True)
 
     reference = compare_with_one_process(args, model, source, losses)
-    worst = None if reference is None else max(abs(g - w) / abs(w) for g, w in zip(losses, reference))
+    worst = None if reference is None else largest_relative_difference(losses, reference)
     if rank == 0 and args.plot:
         plot(args.plot, losses, reference, world)
         say(f"loss plot: {args.plot}", flush=True)
@@ -635,6 +635,10 @@ def check_memory(report: st.MemoryReport, limit: float | None, layout: Layout) -
         )
 
 
+def largest_relative_difference(losses: list[float], reference: list[float]) -> float:
+    return max(abs(got - want) / abs(want) for got, want in zip(losses, reference))
+
+
 def compare_with_one_process(args, model: torch.nn.Module, source, losses: list[float]) -> list[float] | None:
     """One process's losses, trained by rank 0 in plain PyTorch on a model built as ``model`` was and on the same
     batches; None where not compared (``--check``, the model's size, its dropout). Every rank gets rank 0's answer."""
@@ -644,8 +648,8 @@ def compare_with_one_process(args, model: torch.nn.Module, source, losses: list[
         why_not = "--check off"
     elif args.check == "auto" and parameters > CHECK_LIMIT:
         why_not = f"{parameters:,} parameters, more than {CHECK_LIMIT:,} (--check on compares them)"
-    elif dropout(model):
-        why_not = f"it drops out ({', '.join(dropout(model)[:3])}, ...), and the random streams differ"
+    elif dropping := dropout(model):
+        why_not = f"it drops out ({', '.join(dropping[:3])}, ...), and the random streams differ"
     reference = None
     if why_not and dist.get_rank() == 0:
         print(f"not compared with one process: {why_not}", flush=True)
@@ -657,7 +661,7 @@ def compare_with_one_process(args, model: torch.nn.Module, source, losses: list[
         for index in range(args.steps):
             reference.append(step(step_batches(source, index, args.grad_accum_steps)).item())
             schedule.step()
-        worst = max(abs(g - w) / abs(w) for g, w in zip(losses, reference))
+        worst = largest_relative_difference(losses, reference)
         print(f"\nlosses {losses[0]:.5f} -> {losses[-1]:.5f}; one process: {reference[0]:.5f} -> {reference[-1]:.5f}")
         verdict = "matches one process" if worst <= TOLERANCE else "DIFFERS from one process"
         print(f"{verdict}: the largest relative difference over {args.steps} steps is {worst:.1e}", flush=True)

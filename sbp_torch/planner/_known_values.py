@@ -94,9 +94,10 @@ class KnownValues:
         value_free = func in VALUE_FREE
         if not self.values and not value_free:  # (most ops of a trace: nothing to follow, nothing to forget)
             return
-        inputs = [self.value_of(a) for a in _tensors(args, kwargs)]
+        tensors = list(_tensors(args, kwargs))
+        inputs = [self.value_of(a) for a in tensors]
         if not value_free and (None in inputs or torch.Tag.nondeterministic_seeded in func.tags):
-            if any(v is not None and v is not a for v, a in zip(inputs, _tensors(args, kwargs))):
+            if any(v is not None and v is not a for v, a in zip(inputs, tensors)):
                 self._forget_written(func, args, kwargs)  # (only a known input can be written and forgotten)
             return
         outputs = list(_tensors((out,), {}))

@@ -248,17 +248,15 @@ class _Candidate(NamedTuple):
 
 def _tables(option_costs: OptionCosts, limit: int) -> tuple[list[dict], dict]:
     """Per group (the root first) option -> estimates by storage, for one mesh; and how the search went."""
-    groups, costs, methods = option_costs.groups, option_costs.costs, set()
+    groups, methods = option_costs.groups, set()
     tables: list[dict] = [{}]
     units_base = Estimate()  # the traced part of each container's first unit at "replicate": in the cut step
     for index in range(1, len(groups)):
-        table, method = _search_group(
-            option_costs, index, limit, costs, lambda c, i=index: option_costs.unit_option(i, c)
-        )
+        table, method = _search_group(option_costs, index, limit, lambda c, i=index: option_costs.unit_option(i, c))
         methods.add(method)
         tables.append(table)
         units_base = units_base + option_costs.traced[index, option_costs.replicate(groups[index])]
-    tables[0], method = _search_group(option_costs, 0, limit, costs, lambda c: option_costs.root_option(c, units_base))
+    tables[0], method = _search_group(option_costs, 0, limit, lambda c: option_costs.root_option(c, units_base))
     methods.add(method)
     return tables, {"methods": methods, "traces": option_costs.traces}
 
@@ -270,10 +268,10 @@ def _assemble(tables: list[dict], picks: list, sharded: bool) -> Estimate:
     return total
 
 
-def _search_group(option_costs: OptionCosts, index: int, limit: int, costs: CostModel, evaluate) -> tuple[dict, str]:
+def _search_group(option_costs: OptionCosts, index: int, limit: int, evaluate) -> tuple[dict, str]:
     """Option -> estimates by storage (``evaluate(option)``), for every option evaluated; and how the options
     were searched: all of them up to ``limit``, else coordinate descent."""
-    group = option_costs.groups[index]
+    group, costs = option_costs.groups[index], option_costs.costs
     combos = group.combinations() if option_costs.mesh.tensor_axis is not None else [option_costs.replicate(group)]
     if len(combos) <= limit:
         return {c: evaluate(c) for c in combos}, "exhaustive"

@@ -16,12 +16,13 @@ from ._tracing import step_loss
 
 
 def optimizer_for(optimizer, parameters):
-    """An instance of ``optimizer`` (a class, or the name of one in ``torch.optim``; ``"none"``: None) over
-    ``parameters``, with its default hyperparameters."""
+    """An instance of ``optimizer`` (a class, or the name of one in ``torch.optim`` in any case, as ``plan`` takes it;
+    ``"none"``: None) over ``parameters``, with its default hyperparameters."""
     if optimizer is None or (isinstance(optimizer, str) and optimizer.lower() == "none"):
         return None
-    kind = getattr(torch.optim, optimizer) if isinstance(optimizer, str) else optimizer
-    return kind(parameters)
+    if isinstance(optimizer, str):
+        optimizer = next(getattr(torch.optim, name) for name in dir(torch.optim) if name.lower() == optimizer.lower())
+    return optimizer(parameters)
 
 
 def step_seconds(model: nn.Module, batch, plan: Plan, optimizer, loss, *, steps: int = 3, warmup: int = 1) -> float:
