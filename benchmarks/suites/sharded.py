@@ -6,7 +6,11 @@ same initial weights in every variant:
 
 * the GPT example (``examples/gpt.py``, its sizes set here: width 128, 4 heads, context 32, 4 blocks, 2 with
   ``--quick``), batch 8;
-* the zoo's Qwen2 (``zoo/dense.py``: a Llama-style decoder, its tiny config), batch 8.
+* the zoo's Qwen2 (``zoo/dense.py``: a Llama-style decoder, its tiny config; ``use_cache=False``, as in training),
+  batch 8.
+
+In both, sbp_torch's blocks compute nothing that communicates, so they run as plain PyTorch on the parts
+(``_api/_plain_units.py``) from the third step on.
 
 Variants (the batch is the same 8 rows; each rank computes on 2 of them):
 
@@ -29,9 +33,10 @@ Measured, per variant:
   ``profile_memory=True``; the profiler reports every allocation and free of tensor memory through c10's CPU
   allocator on the training thread, with its size and time. Summing them in time order gives the bytes this variant
   holds at each moment (everything it allocated since its build began: stored parameters, gradients, AdamW state,
-  gathered copies, activations, collective buffers, caches); the peak is the largest sum during the second step
-  (the first creates the AdamW state and fills caches). Allocations made inside gloo's own worker threads (its
-  internal copies during a collective) are not seen, for any variant. The step is a normal step: its loss counts.
+  gathered copies, activations, collective buffers, caches); the peak is the largest sum during the third step
+  (the first creates the AdamW state and fills caches, the second learns which blocks run as plain PyTorch).
+  Allocations made inside gloo's own worker threads (its internal copies during a collective) are not seen, for any
+  variant. The step is a normal step: its loss counts.
 * **Stored bytes per rank**: this rank's parts of the parameters, gradients and AdamW state (``exp_avg``,
   ``exp_avg_sq``, ``step``) after a step.
 * **Step time**: lay out the batch, forward, ``zero_grad``, backward (with the gradient reduction),
@@ -78,7 +83,7 @@ WORLDS = [4]
 VARIANTS = ["replicated", "sharded", "FSDP2", "sharded bf16", "FSDP2 bf16"]
 BF16_OF = {"sharded bf16": "sharded", "FSDP2 bf16": "FSDP2"}  # a bf16 variant -> its float32 run
 ROWS = 8  # batch rows: 2 per rank
-PROFILED = 2  # steps of the memory run; the second is measured
+PROFILED = 3  # steps of the memory run; the third is measured (the second learns which blocks run plain)
 STEPS, QUICK_STEPS = (3, 20), (1, 5)  # (warm-up, timed) steps after the profiled ones
 MEMORY_TARGET, TIME_TARGET, LOSS_TOLERANCE = 1.05, 1.0, 1e-5
 
@@ -121,12 +126,17 @@ def _zoo_case() -> Case:
     qwen2 = next(m for m in dense.ZOO if m.name == "qwen2")
     return Case(
         "transformers Qwen2 (zoo)",
-        lambda: dense.make(qwen2),
+        lambda: _without_cache(dense.make(qwen2)),
         lambda steps: dense.batches(qwen2, steps, rows=ROWS),
         lambda model, b: model(**b).loss,
         lambda model: list(model.model.layers),
         f"2 layers, hidden 32, 4 heads (2 key/value), sequence {dense.SEQ}, vocabulary {dense.VOCAB}",
     )
+
+
+def _without_cache(model: nn.Module) -> nn.Module:
+    model.config.use_cache = False  # (training: no key/value cache, which a block would fill; every variant alike)
+    return model
 
 
 def _adamw(model: nn.Module) -> torch.optim.AdamW:

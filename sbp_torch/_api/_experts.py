@@ -31,6 +31,7 @@ from .. import _comm as comm
 from .._layout import Broadcast, GlobalMeta, Placement, Split, broadcast, partial_sum
 from .._tensor import GlobalTensor
 from ._local_map import global_slots, run_locally, zero_reaching
+from ._plain_units import on_parts, opaque
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,8 @@ class ExpertsRegion:
     def __call__(self, hidden, top_k_index, top_k_weights):
         slots = global_slots(self.module)
         if not isinstance(hidden, GlobalTensor) or not slots:
+            if on_parts():  # inside a plain unit: this region's data-parallel case, on the parts
+                return self._on_parts(hidden, top_k_index, top_k_weights)
             return self.original(hidden, top_k_index, top_k_weights)
         roles = _roles(self.module, self.kind, slots, hidden.placement)
         if roles is None:  # laid out in a way this does not cover: the ops decide, exactly
@@ -103,6 +106,16 @@ class ExpertsRegion:
         what = f"{type(self.module).__name__} (experts)"
         return run_locally(body, p, (hidden, top_k_index, top_k_weights), (tokens, tokens, tokens), [out],
                            out_shapes=[tuple(hidden.shape)], slots=slots, what=what)  # fmt: skip
+
+    def _on_parts(self, hidden, top_k_index, top_k_weights):
+        """The module's own forward on plain parts, reaching every parameter (and input) that needs a gradient, as
+        the region does: which experts a rank's tokens reach differs between ranks, the gradients reduced must not."""
+        with opaque():
+            out = self.original(hidden, top_k_index, top_k_weights)
+            needing = [t for t in (hidden, top_k_weights, *self.module.parameters()) if t.requires_grad]
+            if needing and torch.is_grad_enabled():
+                out = out + zero_reaching(needing).to(out.dtype)
+        return out
 
     def _experts(self, rows: torch.Tensor, expert: torch.Tensor, count: int) -> torch.Tensor:
         """The module's own forward on ``rows``, each for its one (local) ``expert``, weight 1, with ``count``

@@ -58,12 +58,17 @@ class _Wrap(torch.autograd.Function):
         return gradient(grad, ctx.meta, ctx.saved_local)._local, None
 
 
+def wrap_part(local: torch.Tensor, meta: GlobalMeta) -> GlobalTensor:
+    """``local`` as the part of the global tensor of ``meta``, differentiable as a region's output."""
+    return _Wrap.apply(local, meta)
+
+
 def divided_axes(placement: Placement, sbps) -> tuple[bool, ...]:
     """Per placement axis, whether some layout of ``sbps`` is not broadcast on it."""
     return tuple(any(not isinstance(s[a], Broadcast) for s in sbps) for a in range(placement.ndim))
 
 
-def _input_gradient_sbp(sbp: tuple, divided: tuple[bool, ...], what: str) -> tuple:
+def input_gradient_sbp(sbp: tuple, divided: tuple[bool, ...], what: str) -> tuple:
     out = []
     for axis, s in enumerate(sbp):
         if not divided[axis] or isinstance(s, Split):
@@ -99,7 +104,7 @@ def _check_output(out: torch.Tensor, sbp: tuple, divided: tuple[bool, ...], what
 def _local_part(x: GlobalTensor, divided: tuple[bool, ...], what: str) -> torch.Tensor:
     if not x.requires_grad:
         return x._local
-    return to_local(x, grad_sbp=_input_gradient_sbp(x.sbp, divided, what))
+    return to_local(x, grad_sbp=input_gradient_sbp(x.sbp, divided, what))
 
 
 def zero_reaching(tensors) -> torch.Tensor:

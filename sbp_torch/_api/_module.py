@@ -18,6 +18,7 @@ from ._experts import install_expert_regions
 from ._global_mode import GlobalMode
 from ._gradient_reducer import GradientReducer
 from ._module_tensors import module_tensors
+from ._plain_units import install_plain_units
 from ._recompute import TorchFunctionsInRecompute
 from ._sharding import MixedPrecision, default_units, shard_model, storage_sbp
 from ._to_global import to_global
@@ -141,6 +142,7 @@ def module_to_global(
     blocks = [name for name in default_units(module) if name]
     blocks += [name for name in modules if any(fnmatch.fnmatchcase(name, p) for p in units or [])]
     TorchFunctionsInRecompute.install(modules[name] for name in blocks)
+    install_plain_units(module, blocks)
     if sharding is not None:
         module._sbp_torch_sharded = shard_model(module, sharding[2], shard, units, sharding[1])
     return module

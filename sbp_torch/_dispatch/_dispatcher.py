@@ -172,13 +172,25 @@ def _broadcast_plain_tensors(bound: BoundCall) -> tuple:
 @contextlib.contextmanager
 def recording(calls: list):
     """Within the block, each aten op this thread (context) dispatches at the top level is appended to ``calls`` as
-    ``(op, args, kwargs, result, ran as is)``: "as is" when its entry ran the op on the local parts unchanged (no
-    boxing, no local function, no fallback, a member rank). Dispatches made while running an op are not recorded."""
+    ``(op, args, kwargs, result, ran as is, sizes only)``: "as is" when its entry ran the op on the local parts
+    unchanged (no boxing, no local function, no fallback, a member rank); "sizes only" when it ran the op on the parts
+    as they were but told it the output's local shape for the logical one (a view's reshape, ``expand``). Dispatches
+    made while running an op are not recorded."""
     token = _RECORDER.set(calls)
     try:
         yield
     finally:
         _RECORDER.reset(token)
+
+
+def _sizes_only(entry) -> bool:
+    """Whether a cached entry runs its op on the unboxed parts of a member rank, with only the output's sizes made
+    local (``sizes_only`` local functions)."""
+    decision = getattr(entry, "decision", None)
+    if decision is None or decision.local_fn is None or entry.coord is None or decision.rule.outside is not None:
+        return False
+    local_fn = decision.rule.local_fns.get(decision.local_fn)
+    return getattr(local_fn, "sizes_only", False) and all(p is None for p in entry.plans)
 
 
 def _recorded(func, args, kwargs):
@@ -192,5 +204,9 @@ def _recorded(func, args, kwargs):
         entry = CALLS.peek(call_key(func, op_schema(func), args, kwargs))
     except TypeError:
         entry = None
-    calls.append((func, args, kwargs, out, entry is not None and entry.func is func and entry.as_is))
+    if func is _DETACH:  # (no entry: the part is detached as it is)
+        calls.append((func, args, kwargs, out, True, False))
+        return out
+    ran = entry is not None and entry.func is func
+    calls.append((func, args, kwargs, out, ran and entry.as_is, ran and _sizes_only(entry)))
     return out

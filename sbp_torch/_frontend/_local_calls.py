@@ -241,7 +241,7 @@ def _is_tensor_list(value) -> bool:
 
 def _qualify(func, args, kwargs, tensors, recorded, result, bumped) -> LocalCall | None:
     """The local call learnt from one recorded dispatch-path call, or None if it does not qualify."""
-    if not all(as_is and torch.Tag.nondeterministic_seeded not in op.tags for op, *_, as_is in recorded):
+    if not all(as_is and torch.Tag.nondeterministic_seeded not in op.tags for op, _, _, _, as_is, _ in recorded):
         return None
     parts = {}  # id(global tensor) -> the tensor the replay passes in its place
     for g in tensors:
@@ -258,7 +258,7 @@ def _qualify(func, args, kwargs, tensors, recorded, result, bumped) -> LocalCall
     if len(replay.calls) != len(recorded):
         return None
     aliases = set()  # ids of global tensors that an op returned as an alias of an input (views)
-    for (op, g_args, g_kwargs, g_out, _), (local_op, l_args, l_kwargs, l_out) in zip(recorded, replay.calls):
+    for (op, g_args, g_kwargs, g_out, _, _), (local_op, l_args, l_kwargs, l_out) in zip(recorded, replay.calls):
         if op is not local_op or not _same_arguments((g_args, g_kwargs), (l_args, l_kwargs), parts):
             return None
         g_flat, g_spec = tree_flatten(g_out)

@@ -237,6 +237,10 @@ def _local_size(func, ctx: LocalContext):
     return ctx.call(func, **{SIZE_ARGUMENT[func]: ctx.local_output_shape()})
 
 
+# (the local function changes only the sizes the op is told, to the output's local shape)
+_local_size.sizes_only = True
+
+
 def _local_squeeze(func, ctx: LocalContext):
     # A split dim of logical size > 1 may have a local size of 1: squeeze only the logical size-1 dims.
     return aten.squeeze.dims(ctx.arguments["self"], squeezed_dims(func, ctx.inputs[0].shape, ctx.arguments))
@@ -249,6 +253,7 @@ def _reshape(func, ctx: LocalContext):
 # (what the dispatcher may rely on: the local output is the one input's part reshaped to the output's local shape,
 # which its C hit path then runs itself)
 _reshape.reshapes_part = True
+_reshape.sizes_only = True
 
 
 LOCAL_FNS = {"local_size": _local_size, "squeeze": _local_squeeze, "reshape": _reshape}

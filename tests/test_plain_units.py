@@ -1,0 +1,210 @@
+"""Units that run as plain PyTorch (``_api/_plain_units.py``) against one process: random uneven batches, world sizes,
+layouts (data parallel, sharded, tensor parallel), blocks that read a value or write a buffer, activation
+checkpointing; which units run plain, and why the others stay on the dispatcher's path."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st_
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import sbp_torch as st
+from sbp_torch._api._plain_units import plain_units_of
+from sbp_torch.sbp import broadcast, split
+
+from world import run_on_world
+
+pytestmark = pytest.mark.gloo
+
+STEPS = 4  # the first call of a key takes the dispatcher's path, the second learns, the third on run plain
+
+
+class Block(nn.Module):
+    """A residual MLP block on ``[rows, width]``, with a view of its hidden state, and what ``kind`` adds: a
+    branch on a value (``reads``) or a counter buffer written each call (``writes``)."""
+
+    def __init__(self, width: int, kind: str):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+        self.kind = kind
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x, scale: float = 1.0):
+        h = nn.functional.gelu(self.up(self.norm(x)))
+        h = h.view(*h.shape[:-1], 2, -1).transpose(-1, -2).reshape(h.shape)  # (sizes made local by the dispatcher)
+        h = self.down(h) * scale
+        if self.kind == "reads" and h.sum() > 0:
+            h = h * 0.5
+        if self.kind == "writes":
+            self.calls.add_(1)
+        return x + h
+
+
+class Net(nn.Module):
+    def __init__(self, width: int, kind: str, checkpointed: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(3, width)
+        self.blocks = nn.ModuleList(Block(width, kind) for _ in range(2))
+        self.head = nn.Linear(width, 1)
+        self.checkpointed = checkpointed
+
+    def forward(self, x):
+        h = self.embed(x)
+        for block in self.blocks:
+            h = checkpoint(block, h, 0.5, use_reentrant=False) if self.checkpointed else block(h, scale=0.5)
+        return self.head(h)
+
+
+_TENSOR_PARALLEL = {"*.up.weight": split(0), "*.up.bias": split(0), "*.down.weight": split(1)}
+
+
+def _job(case: dict):
+    p = st.placement.all("cpu")
+    reference = Net(case["width"], case["kind"], case["checkpointed"])
+    model = copy.deepcopy(reference)
+    layout = case["layout"]
+    model.to_global(p, _TENSOR_PARALLEL if layout == "tensor" else broadcast, shard=0 if layout == "sharded" else None)
+    gen = torch.Generator().manual_seed(case["seed"])
+    batches = [(torch.randn(case["rows"], 3, generator=gen), torch.randn(case["rows"], 1, generator=gen))]
+    batches *= STEPS  # (one shape: one key per unit)
+    lay_out = lambda t: t.to_global(p, broadcast).to_global(sbp=split(0))  # noqa: E731
+    want, got = [], []
+    for net, out, lay in ((reference, want, lambda t: t), (model, got, lay_out)):
+        optimizer = torch.optim.AdamW(net.parameters(), lr=0.01)
+        for x, y in batches:
+            loss = nn.functional.mse_loss(net(lay(x)), lay(y))
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            out.append(loss.item())
+    units = plain_units_of(model)
+    x = lay_out(batches[0][0])
+    # traced, the dispatcher's path (explain cannot read a value)
+    collectives = {} if case["kind"] == "reads" else st.explain(lambda a: model(a).sum(), x).counts()
+    return {
+        "want": want,
+        "got": got,
+        "params": [(a.detach(), b.full_tensor().detach()) for a, b in zip(reference.parameters(), model.parameters())],
+        "plain": [u.plain_keys() for u in units],
+        "refusals": [r for u in units for r in u.refusals],
+        "collectives": collectives,
+    }
+
+
+def _cases(world: int):
+    return st_.fixed_dictionaries(
+        {
+            "rows": st_.integers(world, 3 * world + 1),  # mostly uneven over the ranks
+            "width": st_.sampled_from([4, 6]),
+            "kind": st_.sampled_from(["plain", "plain", "reads", "writes"]),
+            "layout": st_.sampled_from(["data", "sharded", "tensor"]),
+            "checkpointed": st_.booleans(),
+            "seed": st_.integers(0, 100),
+        }
+    )
+
+
+@pytest.mark.parametrize("world", [3])
+def test_units_run_plain_where_nothing_communicates_and_train_like_one_process(world):
+    # (no shrinking: each example runs on a world; the case is printed whole)
+    @settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck), phases=[Phase.generate])
+    @given(_cases(world))
+    def check(case):
+        for r in run_on_world(world, _job, case):
+            torch.testing.assert_close(torch.tensor(r["got"]), torch.tensor(r["want"]), rtol=1e-5, atol=1e-6)
+            for a, b in r["params"]:
+                torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+            plain = case["kind"] == "plain" and case["layout"] != "tensor"
+            assert r["plain"] == [1, 1] if plain else r["plain"] == [0, 0], (case, r["refusals"])
+            if case["layout"] == "tensor" or case["kind"] == "reads":
+                assert all("collective" in why for why in r["refusals"]), r["refusals"]
+            elif case["kind"] == "writes":
+                assert all("wrote into" in why for why in r["refusals"]), r["refusals"]
+            # explain traces the dispatcher's path: every collective is still listed
+            listed = [kind for kind in r["collectives"] if kind.startswith(("all-reduce", "all-gather"))]
+            assert case["kind"] == "reads" or listed, r["collectives"]
+
+    check()
+
+
+def _cache_job():
+    """A block called with an object it could fill with parts (a key/value cache) stays on the dispatcher's path."""
+
+    class Cache:
+        def __init__(self):
+            self.kept = []
+
+    class Keeping(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x, cache=None):
+            y = self.lin(x)
+            if cache is not None:
+                cache.kept.append(y)
+            return y
+
+    p = st.placement.all("cpu")
+    model = nn.Sequential(Keeping(), Keeping()).to_global(p, broadcast)
+    x = torch.randn(5, 4).to_global(p, broadcast).to_global(sbp=split(0))
+    caches = []
+    for _ in range(STEPS):
+        caches.append(Cache())
+        model[1](model[0](x), cache=caches[-1])
+    return {
+        "kept_global": all(type(t).__name__ == "GlobalTensor" for c in caches for t in c.kept),
+        "plain": [u.plain_keys() for u in plain_units_of(model)],
+    }
+
+
+def test_an_argument_the_unit_could_fill_with_parts_keeps_it_on_the_dispatchers_path():
+    for r in run_on_world(2, _cache_job):
+        assert r["kept_global"]
+        assert r["plain"] == [1, 0]  # the block without the object runs plain
+
+
+def _moe_job():
+    """A transformers MoE model (Mixtral, the experts' Python loop over the experts hit), sharded data parallel, trained
+    four steps."""
+    import zoo.moe as moe
+    from zoo.training import train
+
+    models = []
+    for _ in range(2):
+        model = moe.make("mixtral", "eager")
+        model.config.use_cache = False  # (a key/value cache is an object the blocks would fill: see _cache_job)
+        models.append(model)
+    reference, model = models
+    p = st.placement.all("cpu")
+    model.to_global(p, broadcast, shard=0)
+    batches = moe.batches(STEPS, 6)  # (even: uneven rows flattened with the sequence are re-balanced, an exchange)
+    got, got_grads = train(model, batches, lambda t: t.to_global(p, broadcast).to_global(sbp=split(0)))
+    want, want_grads = train(reference, batches)
+    units = plain_units_of(model)
+    return {
+        "got": got,
+        "want": want,
+        "grads": [(want_grads[name], got_grads[name]) for name in want_grads],
+        "plain": [u.plain_keys() for u in units],
+        "refusals": [r for u in units for r in u.refusals],
+    }
+
+
+def test_transformers_moe_blocks_run_plain_in_sharded_data_parallel():
+    """Every decoder layer runs plain on its gathered weights, its experts (whose tokens stay on their rank) inside,
+    each rank reaching every expert's weights although its tokens reach only some."""
+    pytest.importorskip("transformers")
+    for r in run_on_world(2, _moe_job):
+        torch.testing.assert_close(torch.tensor(r["got"]), torch.tensor(r["want"]), rtol=1e-5, atol=1e-6)
+        for want, got in r["grads"]:
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        assert r["plain"] and all(n == 1 for n in r["plain"]), r["refusals"]
