@@ -64,6 +64,9 @@ _KEYS_KEPT = 16  # learnt keys per unit (one per batch shape and mode, in a loop
 _SEEN = object()  # a key seen once: learnt on its next call
 _REFUSED = object()  # a key that stays on the dispatcher's path
 _ATOMS = (int, float, bool, str, type(None), torch.dtype, torch.device)
+# Not compared: autograd detaches what it saves on one path and not the other (a detached value a later op reads is
+# then compared by its value, as a tensor the dispatcher did not make)
+_DETACH = torch.ops.aten.detach.default
 
 # Set while a unit's body runs on parts (plain or replayed): an experts module inside runs its own forward there.
 _ON_PARTS: contextvars.ContextVar = contextvars.ContextVar("sbp_torch_unit_on_parts", default=None)
@@ -198,8 +201,8 @@ class _Pending:
 
 
 class _Replay(TorchDispatchMode):
-    """Records (op, args, kwargs, result) of every aten op the replay dispatches, but those of ops with no tensor
-    argument (factories, compared by their values where used) and those inside ``opaque`` blocks."""
+    """Records (op, args, kwargs, result) of every aten op the replay dispatches, but ``detach`` and those of ops with
+    no tensor argument (factories, compared by their values where used) and those inside ``opaque`` blocks."""
 
     def __init__(self):
         super().__init__()
@@ -208,7 +211,8 @@ class _Replay(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if not self.paused and any(isinstance(a, torch.Tensor) for a in tree_flatten((args, kwargs))[0]):
+        tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        if not self.paused and func is not _DETACH and tensors:
             self.calls.append((func, args, kwargs or {}, out))
         return out
 
@@ -299,6 +303,7 @@ class PlainUnit:
 
     def _qualify(self, args, kwargs, tensors, count, copies, recorded, result) -> PlainCall:
         """The plain call learnt from the dispatcher's run (``recorded``, ``result``); raises ``_Refused``."""
+        recorded = [call for call in recorded if call[0] is not _DETACH]
         for op, _, _, _, as_is, sizes_only in recorded:
             # (an op run as it was draws what the dispatcher's run drew, seeded or not: dropout with p=0, say)
             if not (as_is or sizes_only):

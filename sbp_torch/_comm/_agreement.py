@@ -6,12 +6,18 @@ Under torch.compile the exchange happens while the program is traced, once per c
 fewer times than another (a compile cache), and no collective may run while some ranks trace. The compiled program
 holds none of it."""
 
+import hashlib
+import pickle
+
+import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import _disable_current_modes
 
 from .._layout import refuse_value_dependent
 from ._compiled import agree_while_compiling, compiling
 from ._faults import collective_failed
+
+_ROW_DIMS = 8  # dims a part's shape may have for the one-collective exchange (more: the exchange of objects)
 
 
 def agree(what: str, agreed, local_shape: tuple[int, ...], check: bool) -> list[tuple[int, ...]]:
@@ -28,17 +34,37 @@ def agree(what: str, agreed, local_shape: tuple[int, ...], check: bool) -> list[
         # Nothing to compare, and the exchange is not free: all_gather_object through NCCL copies the object to
         # the GPU and back, which waits for the GPU five times, in every step that lays out its batch (issue #29).
         return [tuple(local_shape)]
-    gathered = [None] * dist.get_world_size()
     try:
         with _disable_current_modes():
-            dist.all_gather_object(gathered, (agreed, tuple(local_shape)))
+            gathered = _exchanged(agreed, tuple(local_shape), check)
     except RuntimeError as err:  # a peer died, or never called the same function
         raise collective_failed(
-            f"{what}: the metadata exchange over all {len(gathered)} ranks failed (every rank must make the same "
-            f"call); this rank passed {agreed} with local shape {tuple(local_shape)}",
+            f"{what}: the metadata exchange over all {dist.get_world_size()} ranks failed (every rank must make the "
+            f"same call); this rank passed {agreed} with local shape {tuple(local_shape)}",
             err,
         ) from err
     return _checked(what, gathered, check)
+
+
+def _exchanged(agreed, local_shape: tuple[int, ...], check: bool) -> list:
+    """Every rank's ``(agreed, local_shape)``, in one all-gather of a row of integers per rank: a digest of
+    ``agreed`` (when checked), the number of dims and the shape. Where the digests differ, or a part has more than
+    ``_ROW_DIMS`` dims on some rank, every rank (each sees every row) exchanges the values themselves as objects,
+    which tells what differs."""
+    digest = int.from_bytes(hashlib.blake2b(pickle.dumps(agreed), digest_size=8).digest(), "little", signed=True)
+    fits = len(local_shape) <= _ROW_DIMS
+    row = [digest if check else 0, len(local_shape) if fits else -1, *(local_shape if fits else ())]
+    backend = str(dist.get_backend())
+    device = torch.device("cpu") if "gloo" in backend else torch.device("cuda", torch.cuda.current_device())
+    mine = torch.tensor(row + [0] * (_ROW_DIMS + 2 - len(row)), dtype=torch.int64, device=device)
+    rows = torch.empty(dist.get_world_size() * mine.numel(), dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(rows, mine)
+    rows = rows.view(dist.get_world_size(), -1).tolist()
+    if all(r[0] == rows[0][0] and r[1] >= 0 for r in rows):
+        return [(agreed, tuple(r[2 : 2 + r[1]])) for r in rows]
+    gathered = [None] * len(rows)
+    dist.all_gather_object(gathered, (agreed, local_shape))
+    return gathered
 
 
 def _checked(what: str, gathered: list, check: bool) -> list[tuple[int, ...]]:
