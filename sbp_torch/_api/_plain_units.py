@@ -53,7 +53,7 @@ from torch.utils._pytree import tree_flatten
 
 from .. import _comm as comm
 from .._dispatch import recording
-from .._layout import Broadcast
+from .._layout import Broadcast, GlobalMeta, dense_strides
 from .._tensor import GlobalTensor, wrap_fresh
 from ._global_mode import outside_global_mode
 from ._local_map import divided_axes, input_gradient_sbp, wrap_part
@@ -145,7 +145,16 @@ class _Parts(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        return (None, *(None if g is None else GlobalTensor(g, m) for g, m in zip(grads, ctx.grad_metas)))
+        return (None, *(None if g is None else _gradient(g, m) for g, m in zip(grads, ctx.grad_metas)))
+
+
+def _gradient(local: torch.Tensor, meta: GlobalMeta) -> GlobalTensor:
+    """``local`` as the gradient part of ``meta``, whose strides say how the part lies in memory, as the
+    dispatcher's do (a transposed part, from the backward of ``t()``: autograd then gives ``.grad`` the
+    parameter's layout, as for a plain gradient)."""
+    if not local.is_contiguous():
+        meta = GlobalMeta(meta.shape, meta.dtype, meta.placement, meta.sbp, dense_strides(meta.shape, local.stride()))
+    return GlobalTensor(local, meta)
 
 
 class PlainCall:
