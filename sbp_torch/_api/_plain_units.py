@@ -410,26 +410,37 @@ def _equal(a, b) -> bool:
 def _same_arguments(global_call, local_call, parts: dict, sizes_only: bool) -> bool:
     """Whether the replay's aten call had the dispatcher's arguments: each global tensor's part where it had one
     (an equal tensor where it had a global tensor it did not make, which joins ``parts``), equal plain tensors and
-    equal other values (but sizes, where the dispatcher told the op its local ones: the outputs' shapes decide)."""
-    g_flat, g_spec = tree_flatten(global_call)
-    l_flat, l_spec = tree_flatten(local_call)
-    if g_spec != l_spec:
+    equal other values; but sizes (lists of integers) where the dispatcher told the op its local ones, which the
+    outputs' shapes then decide."""
+    (g_args, g_kwargs), (l_args, l_kwargs) = global_call, local_call
+    if len(g_args) != len(l_args) or g_kwargs.keys() != l_kwargs.keys():
         return False
-    for g, local in zip(g_flat, l_flat):
-        if isinstance(g, GlobalTensor):
-            if id(g) in parts:
-                if parts[id(g)] is not local:
-                    return False
-            elif _same_tensor(g._local, local):
-                parts[id(g)] = local
-            else:
-                return False
-        elif isinstance(g, torch.Tensor):
-            if not _same_tensor(g, local):
-                return False
-        elif not sizes_only and (type(g) is not type(local) or g != local):
+    for g_value, l_value in zip([*g_args, *g_kwargs.values()], [*l_args, *l_kwargs.values()]):
+        if sizes_only and _is_sizes(g_value) and _is_sizes(l_value):
+            continue
+        g_flat, g_spec = tree_flatten(g_value)
+        l_flat, l_spec = tree_flatten(l_value)
+        if g_spec != l_spec:
             return False
+        for g, local in zip(g_flat, l_flat):
+            if isinstance(g, GlobalTensor):
+                if id(g) in parts:
+                    if parts[id(g)] is not local:
+                        return False
+                elif _same_tensor(g._local, local):
+                    parts[id(g)] = local
+                else:
+                    return False
+            elif isinstance(g, torch.Tensor):
+                if not _same_tensor(g, local):
+                    return False
+            elif type(g) is not type(local) or g != local:
+                return False
     return True
+
+
+def _is_sizes(value) -> bool:
+    return isinstance(value, (list, tuple, torch.Size)) and all(type(n) is int for n in value)
 
 
 def _same_tensor(a: torch.Tensor, b) -> bool:

@@ -51,6 +51,10 @@ def _local_size(func, ctx: LocalContext):
     return ctx.call(func, size=shape)
 
 
+# (the local function changes only the sizes and strides the op is told, to the output's local ones)
+_local_size.sizes_only = True
+
+
 @register(*NEW, local_fns={"local_size": _local_size})
 def new(call: OpCall) -> list[Signature]:
     x, out = call["self"], call.outputs[0]
