@@ -14,8 +14,9 @@ In both, sbp_torch's blocks compute nothing that communicates, so they run as pl
 
 Variants (the batch is the same 8 rows; each rank computes on 2 of them):
 
-* ``replicated``: ``model.to_global(placement)``: every parameter broadcast, the batch laid out ``split(0)``;
-  gradients all-reduced in buckets.
+* ``replicated``: ``model.to_global(placement)``: every parameter broadcast, the batch laid out ``split(0)``
+  (from the whole batch, which every rank holds alike, promised so: ``check_meta=False, sync_data=False`` send
+  nothing, as FSDP2's ranks take their rows); gradients all-reduced in buckets.
 * ``sharded``: ``model.to_global(placement, shard=0)``: parameters stored ``split`` over the 4 ranks, gathered per
   unit (the root and each block) when used; gradients reduce-scattered per unit. Batch as ``replicated``.
 * ``FSDP2``: ``torch.distributed.fsdp.fully_shard`` on every block, then on the root, on
@@ -179,7 +180,8 @@ def _sbp_torch(case: Case, shard: int | None, mixed_precision: MixedPrecision | 
 
     def lay_out(batch):
         return {
-            k: v.to_global(placement, broadcast, check_meta=False).to_global(sbp=split(0)) for k, v in batch.items()
+            k: v.to_global(placement, broadcast, check_meta=False, sync_data=False).to_global(sbp=split(0))
+            for k, v in batch.items()
         }
 
     return _Trainer(model, lay_out, False, case.loss)
