@@ -206,7 +206,8 @@ def _compiled_job():
     batches = moe.batches(2, 8)
     want, _, _ = _train(moe.make("mixtral"), batches)
     model = moe.make("mixtral")
-    lay = moe.lay_out(model, moe.LAYOUTS["EP"])
+    # (2 ranks: the compile on each rank is the cost, and 4 ranks share CI's 2 cores)
+    lay = moe.lay_out(model, moe.Layout("EP", [0, 1], (split(0),), (split(0),)))
     compiled = torch.compile(model, backend="aot_eager")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     got = []
@@ -220,7 +221,7 @@ def _compiled_job():
 
 
 def test_moe_compiled():
-    assert max(run_on_world(4, _compiled_job, _timeout=300)) < 1e-5
+    assert max(run_on_world(2, _compiled_job, _timeout=300)) < 1e-5
 
 
 def _compile_step_job(name, layout, backend):

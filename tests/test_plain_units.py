@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st_
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -102,7 +102,7 @@ def _job(case: dict):
 def _cases(world: int):
     return st_.fixed_dictionaries(
         {
-            "rows": st_.integers(world, 3 * world + 1),  # mostly uneven over the ranks
+            "rows": st_.integers(world - 1, 3 * world + 1),  # mostly uneven; a rank with no rows, too
             "width": st_.sampled_from([4, 6]),
             "kind": st_.sampled_from(["plain", "plain", "reads", "writes"]),
             "layout": st_.sampled_from(["data", "sharded", "tensor"]),
@@ -115,17 +115,24 @@ def _cases(world: int):
 @pytest.mark.parametrize("world", [3])
 def test_units_run_plain_where_nothing_communicates_and_train_like_one_process(world):
     # (no shrinking: each example runs on a world; the case is printed whole)
-    @settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck), phases=[Phase.generate])
+    @settings(
+        max_examples=6, deadline=None, suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate]
+    )
     @given(_cases(world))
+    # a rank with no rows, whose replay alone raises: the ranks agree to stay on the dispatcher's path
+    @example({"rows": world - 1, "width": 4, "kind": "plain", "layout": "data", "checkpointed": False, "seed": 0})
     def check(case):
         for r in run_on_world(world, _job, case):
             torch.testing.assert_close(torch.tensor(r["got"]), torch.tensor(r["want"]), rtol=1e-5, atol=1e-6)
             for a, b in r["params"]:
                 torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
-            plain = case["kind"] == "plain" and case["layout"] != "tensor"
+            # (a rank with no rows cannot view them as (0, 2, -1): there every rank stays on the dispatcher's path)
+            plain = case["kind"] == "plain" and case["layout"] != "tensor" and case["rows"] >= world
             assert r["plain"] == [1, 1] if plain else r["plain"] == [0, 0], (case, r["refusals"])
             if case["layout"] == "tensor" or case["kind"] == "reads":
                 assert all("collective" in why for why in r["refusals"]), r["refusals"]
+            elif case["rows"] < world and case["kind"] == "plain":
+                assert r["refusals"], r["refusals"]
             elif case["kind"] == "writes":
                 assert all("wrote into" in why for why in r["refusals"]), r["refusals"]
             # explain traces the dispatcher's path: every collective is still listed
@@ -160,16 +167,22 @@ def _cache_job():
     for _ in range(STEPS):
         caches.append(Cache())
         model[1](model[0](x), cache=caches[-1])
+    plain = [u.plain_keys() for u in plain_units_of(model)]
+    model[0].lin.register_forward_hook(lambda m, a, out: None)  # (a new key: it would see plain parts)
+    for _ in range(STEPS):
+        model[0](x)
     return {
         "kept_global": all(type(t).__name__ == "GlobalTensor" for c in caches for t in c.kept),
-        "plain": [u.plain_keys() for u in plain_units_of(model)],
+        "plain": plain,
+        "hooked": plain_units_of(model)[0].refusals,
     }
 
 
-def test_an_argument_the_unit_could_fill_with_parts_keeps_it_on_the_dispatchers_path():
+def test_an_argument_the_unit_could_fill_or_a_hook_inside_keeps_it_on_the_dispatchers_path():
     for r in run_on_world(2, _cache_job):
         assert r["kept_global"]
         assert r["plain"] == [1, 0]  # the block without the object runs plain
+        assert r["hooked"] and "hook" in r["hooked"][-1]
 
 
 def _moe_job():
@@ -208,3 +221,58 @@ def test_transformers_moe_blocks_run_plain_in_sharded_data_parallel():
         for want, got in r["grads"]:
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
         assert r["plain"] and all(n == 1 for n in r["plain"]), r["refusals"]
+
+
+def _recompute_job():
+    """One unit called four times in each forward, each call checkpointed (the first on the batch, which needs no
+    gradient, a key of its own): of the others, the first takes the dispatcher's path, the second learns, the third
+    runs plain, and backward recomputes each on the path it took."""
+
+    class Repeated(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.block = Block(4, "plain")
+
+        def forward(self, x):
+            for _ in range(4):
+                x = checkpoint(self.block, x, 0.5, use_reentrant=False)
+            return x
+
+    p = st.placement.all("cpu")
+    reference = Repeated()
+    model = copy.deepcopy(reference).to_global(p, broadcast, units=["block"])
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 4, generator=gen)
+    want, got = [], []
+    for net, out, lay in (
+        (reference, want, lambda t: t),
+        (model, got, lambda t: t.to_global(p, broadcast).to_global(sbp=split(0))),
+    ):
+        for _ in range(2):
+            net.zero_grad()
+            loss = net(lay(x)).pow(2).mean()
+            loss.backward()
+            out.append(
+                (
+                    loss.item(),
+                    [q.grad.full_tensor() if hasattr(q.grad, "full_tensor") else q.grad for q in net.parameters()],
+                )
+            )
+    try:  # double backward through a plain unit: refused, not its second-order terms dropped
+        loss = model(x.to_global(p, broadcast).to_global(sbp=split(0))).pow(2).mean()
+        torch.autograd.grad(loss, list(model.parameters()), create_graph=True)
+        double = "no error"
+    except RuntimeError as err:
+        double = str(err)
+    return {"want": want, "got": got, "plain": plain_units_of(model)[0].plain_keys(), "double": double}
+
+
+def test_a_recomputed_forward_takes_the_path_its_forward_took_and_double_backward_is_refused():
+    for r in run_on_world(2, _recompute_job):
+        assert r["plain"] == 1
+        for (want_loss, want_grads), (got_loss, got_grads) in zip(r["want"], r["got"]):
+            torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-6)
+            for a, b in zip(want_grads, got_grads):
+                torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+        assert "create_graph" in r["double"], r["double"]

@@ -31,7 +31,7 @@ from .. import _comm as comm
 from .._layout import Broadcast, GlobalMeta, Placement, Split, broadcast, partial_sum
 from .._tensor import GlobalTensor
 from ._local_map import global_slots, run_locally, zero_reaching
-from ._plain_units import on_parts, opaque
+from ._plain_units import keeps_dispatching, on_parts, opaque
 
 
 @dataclass(frozen=True)
@@ -95,6 +95,8 @@ class ExpertsRegion:
         roles = _roles(self.module, self.kind, slots, hidden.placement)
         if roles is None:  # laid out in a way this does not cover: the ops decide, exactly
             return self.original(hidden, top_k_index, top_k_weights)
+        if "expert" in roles:  # (a plain run of the unit around it would run its own forward on a slice of experts)
+            keeps_dispatching(f"{type(self.module).__name__}'s experts are split over a placement axis")
         p = hidden.placement
         tokens = _token_sbp(hidden, roles)
         exchange = next((a for a, r in enumerate(roles) if r == "expert" and isinstance(tokens[a], Split)), None)

@@ -7,15 +7,19 @@ only costs the dispatcher's toll. FSDP2's blocks and DTensor's parallel styles c
 unit does the same where it may prove it gives the dispatcher's result:
 
 * A call is keyed by what decides its ops: each global argument's layout, shape and whether it requires grad, the
-  other arguments by value, the unit's parameters' and buffers' layouts, grad mode, the training flags of its
-  modules, the default dtype. An argument that is none of a global tensor, a number, a string, None, a dtype, a
-  device or a list, tuple or dict of them (a plain tensor with dims; a key/value cache object, which the unit would
-  fill with parts) keeps the call on the dispatcher's path.
+  other arguments by value, the unit's parameters' and buffers' layouts, grad mode, the default dtype, its modules'
+  attributes that are numbers, strings or None (``training``, a dropout's ``p``) and their number of hooks. Other
+  Python state a forward reads (a config object, globals, Python's ``random``) is not in the key. An argument that is
+  none of a global tensor, a number, a string, None, a dtype, a device or a list, tuple or dict of them (a plain
+  tensor with dims; a key/value cache object, which the unit would fill with parts) keeps the call on the dispatcher's
+  path.
 * A key's first call takes the dispatcher's path. Its second is learnt: it takes the dispatcher's path, recording
   each aten op and observing each collective, and the unit's forward then runs again on copies of the local parts
   as plain PyTorch. The key runs as plain PyTorch from its next call outside backward on, if
 
-  - no collective was issued and no argument, parameter or buffer was written into;
+  - no collective was issued, no argument, parameter or buffer was written into, no module's attribute was set,
+    no module inside it has a hook that is not sbp_torch's (it would see plain parts), nor is a global module hook
+    registered, and no region inside is other than per rank (experts split over an axis);
   - the dispatcher ran every op on the parts as they were (a view or ``expand`` told its local sizes included; a
     random op the dispatcher runs otherwise, to draw the logical tensor's numbers, so it stays there);
   - the plain run dispatched the same aten ops with the same arguments: each global tensor's part where the
@@ -25,7 +29,10 @@ unit does the same where it may prove it gives the dispatcher's result:
   - the outputs are new global tensors whose parts the plain run returned, beside the same other values;
   - the gradients follow from the parts as in a ``local_map`` region: on a placement axis where the unit computes
     per rank (something split or partial there), no input that needs a gradient is partial and no floating output
-    that needs one is broadcast.
+    that needs one is broadcast;
+  - and all of this holds on every rank of the placement (one small all-reduce per axis, once per key): a rank may
+    find otherwise on its own parts (a rank with no rows whose view cannot infer a size), and ranks that took
+    different paths would reduce gradients in different orders.
 
 * Run plain, the unit's forward sees its arguments', parameters' and buffers' local parts as plain tensors, outside
   global mode, and its outputs are wrapped as learnt. Gradients reach the global tensors as a region's do: a split
@@ -35,9 +42,14 @@ unit does the same where it may prove it gives the dispatcher's result:
   its region does, so every rank reduces the same gradients.
 
 The plain path is never taken while torch.compile or ``compile_step`` traces, while ``explain`` or the planner
-estimate, under a torch dispatch mode or autocast, on a rank outside the placement, or in backward for a key not
-yet run plain in a forward (a recomputed forward takes its first run's path). ``SBP_TORCH_PLAIN_UNITS=0`` turns it
-off. ``explain`` traces the dispatcher's path, so it lists every collective whichever path runs.
+estimate, under a torch dispatch mode or autocast, or on a rank outside the placement. A forward recomputed in
+backward (activation checkpointing) takes the path its first run took: a forward on the dispatcher's path notes its
+first global argument, which the recomputation is given again. A backward with ``create_graph=True`` through a unit
+run plain raises (its gradients would lose their second-order terms). An in-place write, after the unit, into a
+tensor its plain run saved for backward is not caught as autograd catches it on plain tensors (the part's version
+counter is not the global tensor's): plain PyTorch refuses such a program, and here its gradients would read the
+written values. ``SBP_TORCH_PLAIN_UNITS=0`` turns the plain path off. ``explain`` traces the dispatcher's path, so it
+lists every collective whichever path runs.
 """
 
 from __future__ import annotations
@@ -45,6 +57,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+import weakref
+from collections import OrderedDict
 
 import torch
 from torch import nn
@@ -70,6 +84,8 @@ _DETACH = torch.ops.aten.detach.default
 
 # Set while a unit's body runs on parts (plain or replayed): an experts module inside runs its own forward there.
 _ON_PARTS: contextvars.ContextVar = contextvars.ContextVar("sbp_torch_unit_on_parts", default=None)
+# Set while a unit learns on the dispatcher's path: what inside it says keeps the unit there (``keeps_dispatching``).
+_LEARNING: contextvars.ContextVar = contextvars.ContextVar("sbp_torch_unit_learning", default=None)
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _autocast = torch._C._is_any_autocast_enabled
 
@@ -77,6 +93,14 @@ _autocast = torch._C._is_any_autocast_enabled
 def on_parts() -> bool:
     """Whether the running code is a plain unit's body on local parts."""
     return _ON_PARTS.get() is not None
+
+
+def keeps_dispatching(reason: str) -> None:
+    """Called on the dispatcher's path by code whose work a plain run would not repeat (a region whose layout is not
+    per rank): the unit learning around it, if any, stays on the dispatcher's path for ``reason``."""
+    notes = _LEARNING.get()
+    if notes is not None:
+        notes.append(reason)
 
 
 @contextlib.contextmanager
@@ -107,7 +131,7 @@ def _describe(value, key: list, found: list) -> None:
     if t is GlobalTensor:
         key.append((value._meta, value.requires_grad))
         found.append(value)
-    elif t is list or t is tuple:
+    elif t is list or t is tuple or t is torch.Size:
         key.append((t, len(value)))
         for v in value:
             _describe(v, key, found)
@@ -126,7 +150,7 @@ def _substituted(value, parts):
     t = type(value)
     if t is GlobalTensor:
         return next(parts)
-    if t is list or t is tuple:
+    if t is list or t is tuple or t is torch.Size:
         return t(_substituted(v, parts) for v in value)
     if t is dict:
         return {k: _substituted(v, parts) for k, v in value.items()}
@@ -145,6 +169,11 @@ class _Parts(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        if torch.is_grad_enabled():  # (create_graph=True: the gradients below would not carry their own graph)
+            raise RuntimeError(
+                "a backward with create_graph=True through a unit run as plain PyTorch: its gradients would lose "
+                "their second-order terms; set SBP_TORCH_PLAIN_UNITS=0 for double backward"
+            )
         return (None, *(None if g is None else _gradient(g, m) for g, m in zip(grads, ctx.grad_metas)))
 
 
@@ -237,8 +266,11 @@ class PlainUnit:
         self.what = f"unit {name or '(root)'} ({type(module).__name__})"
         self.slots = [Slot(table, key) for _, _, table, key, _ in module_tensors(module)]
         self.modules = list(module.modules())
-        self.learnt: dict = {}
+        self.learnt: OrderedDict = OrderedDict()  # key -> _SEEN, _REFUSED, _Pending or PlainCall, least recent first
         self.refusals: list[str] = []  # why the last keys refused stay on the dispatcher's path (the last 4)
+        # The first global argument of each forward with grad that took the dispatcher's path for a key that may
+        # run plain later: its recomputation in backward (activation checkpointing) takes that path again.
+        self.dispatched: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
     def plain_keys(self) -> int:
         """How many of the keys it holds run as plain PyTorch."""
@@ -254,7 +286,7 @@ class PlainUnit:
             or _autocast()
         ):
             return self.original(*args, **kwargs)
-        key = [torch.is_grad_enabled(), torch.get_default_dtype(), tuple(m.training for m in self.modules)]
+        key = [torch.is_grad_enabled(), torch.get_default_dtype(), self._module_state()]
         tensors: list = []  # the global arguments, then the slots' tensors
         try:
             _describe((args, kwargs), key, tensors)
@@ -267,47 +299,75 @@ class PlainUnit:
                 tensors.append(t)
             key = tuple(key)
             entry = self.learnt.get(key)
-        except (_Unkeyable, TypeError):  # (TypeError: an unhashable value)
+        except (_Unkeyable, TypeError, KeyError):  # (an unhashable value; a slot removed since)
             return self.original(*args, **kwargs)
+        in_backward = torch._C._current_graph_task_id() != -1
+        if in_backward and count and self.dispatched.get(id(tensors[0])) is tensors[0]:
+            return self.original(*args, **kwargs)  # (a recomputation of a forward that took the dispatcher's path)
         if type(entry) is PlainCall:
+            self.learnt.move_to_end(key)
             return entry.run(self, args, kwargs, tensors, count)
-        if entry is _REFUSED or torch._C._current_graph_task_id() != -1:
-            return self.original(*args, **kwargs)
-        if entry is None:
-            self._remember(key, _SEEN)
+        if entry is _REFUSED or in_backward:
             return self.original(*args, **kwargs)
         if type(entry) is _Pending:
             self.learnt[key] = entry.call
             return entry.call.run(self, args, kwargs, tensors, count)
+        if count and torch.is_grad_enabled():
+            self.dispatched[id(tensors[0])] = tensors[0]
+        if entry is None:
+            self._remember(key, _SEEN)
+            return self.original(*args, **kwargs)
         return self._learn(key, args, kwargs, tensors, count)
+
+    def _module_state(self) -> tuple:
+        """What the modules hold besides tensors that a forward may branch on: their attributes that are numbers,
+        strings or None (``training``, a dropout's ``p``), and how many hooks they have."""
+        state = [v for m in self.modules for v in m.__dict__.values() if type(v) in _ATOMS]
+        state.append(sum(len(h) for m in self.modules for h in _hooks_of(m)))
+        return tuple(state)
 
     def _remember(self, key, entry) -> None:
         self.learnt[key] = entry
         while len(self.learnt) > _KEYS_KEPT:
-            del self.learnt[next(iter(self.learnt))]
+            self.learnt.popitem(last=False)
+
+    def _refuse(self, key, reason: str) -> None:
+        self.refusals.append(reason)
+        del self.refusals[:-4]
+        self._remember(key, _REFUSED)
 
     def _learn(self, key, args, kwargs, tensors: list, count: int):
-        placements = {t.placement for t in tensors}
-        if len(placements) != 1 or next(iter(placements)).local_coord() is None:
-            self.refusals.append("its tensors are on two placements, or this rank is outside its placement")
-            self._remember(key, _REFUSED)
+        placement = tensors[0].placement if tensors else None
+        if placement is None or any(t.placement != placement for t in tensors) or placement.local_coord() is None:
+            self._refuse(key, "its tensors are on two placements, or this rank is outside its placement")
             return self.original(*args, **kwargs)
-        copies = {id(t): t._local.clone() for t in tensors}  # (before the dispatcher's run, which may write)
         versions = [t._version for t in tensors]
-        recorded, issued = [], []
-        with recording(recorded), comm.observing(lambda *collective: issued.append(collective)):
-            result = self.original(*args, **kwargs)
+        attributes = [(m, dict(m.__dict__)) for m in self.modules]
+        recorded, issued, notes = [], [], []
+        token = _LEARNING.set(notes)
         try:
-            if issued:
-                raise _Refused(f"it issued {len(issued)} collective(s), the first a {issued[0][0]}")
-            if any(t._version != v for t, v in zip(tensors, versions)):
-                raise _Refused("it wrote into an argument, parameter or buffer")
-            entry = _Pending(self._qualify(args, kwargs, tensors, count, copies, recorded, result))
+            with recording(recorded), comm.observing(lambda *collective: issued.append(collective)):
+                result = self.original(*args, **kwargs)
+        finally:
+            _LEARNING.reset(token)
+        call, reason = None, None
+        try:
+            reason = _why_dispatching(self.modules[1:], attributes, issued, notes)
+            if reason is None and any(t._version != v for t, v in zip(tensors, versions)):
+                reason = "it wrote into an argument, parameter or buffer"
+            if reason is None:
+                copies = {id(t): t._local.clone() for t in tensors}
+                call = self._qualify(args, kwargs, tensors, count, copies, recorded, result)
         except Exception as err:  # noqa: BLE001 - learning must never fail a call that ran: it stays on the dispatcher
-            entry = _REFUSED
-            self.refusals.append(str(err) if isinstance(err, _Refused) else f"learning raised {err!r}")
-            del self.refusals[:-4]
-        self._remember(key, entry)
+            reason = str(err) if isinstance(err, _Refused) else f"learning raised {err!r}"
+        # Each rank decides on its own parts (a replay may raise, or a value differ, on one rank alone): the unit runs
+        # plain only where every rank of its placement may, so that all take the same path and reduce alike.
+        if not _everywhere(placement, call is not None, tensors[0]._local.device) and reason is None:
+            reason = "another rank of its placement found it cannot run on its parts"
+        if reason is None:
+            self._remember(key, _Pending(call))
+        else:
+            self._refuse(key, reason)
         return result
 
     def _qualify(self, args, kwargs, tensors, count, copies, recorded, result) -> PlainCall:
@@ -389,6 +449,41 @@ class PlainUnit:
                     f"an output needing a gradient is broadcast ({g.sbp}) where the unit computes per rank"
                 )
         return PlainCall(spec, tuple(g._meta for g in outputs), tuple(shapes), tuple(grad_metas))
+
+
+def _hooks_of(module: nn.Module) -> tuple:
+    return (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)
+
+
+def _ours(hook) -> bool:
+    return (getattr(hook, "__module__", None) or "").startswith("sbp_torch.")
+
+
+def _why_dispatching(inner: list, attributes: list, issued: list, notes: list) -> str | None:
+    """Why a unit's dispatcher run keeps it there, from what the run did and what its modules hold; or None."""
+    if issued:
+        return f"it issued {len(issued)} collective(s), the first a {issued[0][0]}"
+    if notes:
+        return notes[0]
+    if any(not _ours(h) for m in inner for hooks in _hooks_of(m) for h in hooks.values()):
+        return "a module inside it has a hook, which would see plain parts"
+    globals_ = torch.nn.modules.module
+    if any(not _ours(h) for hooks in (globals_._global_forward_hooks, globals_._global_forward_pre_hooks)
+           for h in hooks.values()):  # fmt: skip
+        return "a global module hook is registered, which would see plain parts"
+    for module, before in attributes:
+        after = module.__dict__
+        if after.keys() != before.keys() or any(after[k] is not v for k, v in before.items()):
+            return f"its forward sets attributes of {type(module).__name__}, which would hold plain parts"
+    return None
+
+
+def _everywhere(placement, mine: bool, device) -> bool:
+    """Whether ``mine`` holds on every rank of ``placement`` (one small all-reduce per axis)."""
+    flag = torch.tensor([1 if mine else 0], dtype=torch.int32, device=device)
+    for axis in range(placement.ndim):
+        flag = comm.all_reduce(flag, "min", comm.axis_group(placement, axis))
+    return bool(flag.item())
 
 
 def _kept_to_itself():

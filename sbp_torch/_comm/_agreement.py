@@ -7,7 +7,6 @@ fewer times than another (a compile cache), and no collective may run while some
 holds none of it."""
 
 import hashlib
-import pickle
 
 import torch
 import torch.distributed as dist
@@ -16,6 +15,9 @@ from torch.utils._python_dispatch import _disable_current_modes
 from .._layout import refuse_value_dependent
 from ._compiled import agree_while_compiling, compiling
 from ._faults import collective_failed
+
+# torch's own choice of device for the default group's object collectives (cuda for NCCL, cpu for gloo, ...)
+_object_device = dist.distributed_c10d._get_object_coll_device
 
 _ROW_DIMS = 8  # dims a part's shape may have for the one-collective exchange (more: the exchange of objects)
 
@@ -51,11 +53,11 @@ def _exchanged(agreed, local_shape: tuple[int, ...], check: bool) -> list:
     ``agreed`` (when checked), the number of dims and the shape. Where the digests differ, or a part has more than
     ``_ROW_DIMS`` dims on some rank, every rank (each sees every row) exchanges the values themselves as objects,
     which tells what differs."""
-    digest = int.from_bytes(hashlib.blake2b(pickle.dumps(agreed), digest_size=8).digest(), "little", signed=True)
+    # (of the repr, not the pickle: a pickled GlobalMeta carries its cached hash, which differs between processes)
+    digest = int.from_bytes(hashlib.blake2b(repr(agreed).encode(), digest_size=8).digest(), "little", signed=True)
     fits = len(local_shape) <= _ROW_DIMS
     row = [digest if check else 0, len(local_shape) if fits else -1, *(local_shape if fits else ())]
-    backend = str(dist.get_backend())
-    device = torch.device("cpu") if "gloo" in backend else torch.device("cuda", torch.cuda.current_device())
+    device = torch.device(_object_device())  # (where the default group's backend takes tensors)
     mine = torch.tensor(row + [0] * (_ROW_DIMS + 2 - len(row)), dtype=torch.int64, device=device)
     rows = torch.empty(dist.get_world_size() * mine.numel(), dtype=torch.int64, device=device)
     dist.all_gather_into_tensor(rows, mine)
