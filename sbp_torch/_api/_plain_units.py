@@ -513,11 +513,10 @@ def _same_arguments(global_call, local_call, parts: dict, sizes_only: bool) -> b
     for g_value, l_value in zip([*g_args, *g_kwargs.values()], [*l_args, *l_kwargs.values()]):
         if sizes_only and _is_sizes(g_value) and _is_sizes(l_value):
             continue
-        g_flat, g_spec = tree_flatten(g_value)
-        l_flat, l_spec = tree_flatten(l_value)
-        if g_spec != l_spec:
+        pairs = _paired_leaves(g_value, l_value)
+        if pairs is None:
             return False
-        for g, local in zip(g_flat, l_flat):
+        for g, local in pairs:
             if isinstance(g, GlobalTensor):
                 if id(g) in parts:
                     if parts[id(g)] is not local:
@@ -532,6 +531,13 @@ def _same_arguments(global_call, local_call, parts: dict, sizes_only: bool) -> b
             elif type(g) is not type(local) or g != local:
                 return False
     return True
+
+
+def _paired_leaves(a, b) -> list | None:
+    """The leaves of ``a`` and ``b`` in pairs; None where their structures differ."""
+    a_flat, a_spec = tree_flatten(a)
+    b_flat, b_spec = tree_flatten(b)
+    return list(zip(a_flat, b_flat)) if a_spec == b_spec else None
 
 
 def _is_sizes(value) -> bool:
@@ -551,11 +557,10 @@ def _same_tensor(a: torch.Tensor, b) -> bool:
 def _same_outputs(g_out, l_out, parts: dict) -> bool:
     """Whether the replay's op returned, where the dispatcher returned a global tensor, a plain tensor of its part's
     shape, strides and dtype (which then stands for it in ``parts``)."""
-    g_flat, g_spec = tree_flatten(g_out)
-    l_flat, l_spec = tree_flatten(l_out)
-    if g_spec != l_spec:
+    pairs = _paired_leaves(g_out, l_out)
+    if pairs is None:
         return False
-    for g, local in zip(g_flat, l_flat):
+    for g, local in pairs:
         if isinstance(g, GlobalTensor):
             part = g._local
             if not (
