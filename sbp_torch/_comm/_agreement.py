@@ -18,6 +18,7 @@ from ._faults import collective_failed
 
 # torch's own choice of device for the default group's object collectives (cuda for NCCL, cpu for gloo, ...)
 _object_device = dist.distributed_c10d._get_object_coll_device
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # (renamed in torch 2.13)
 
 _ROW_DIMS = 8  # dims a part's shape may have for the one-collective exchange (more: the exchange of objects)
 
@@ -60,7 +61,7 @@ def _exchanged(agreed, local_shape: tuple[int, ...], check: bool) -> list:
     device = torch.device(_object_device())  # (where the default group's backend takes tensors)
     mine = torch.tensor(row + [0] * (_ROW_DIMS + 2 - len(row)), dtype=torch.int64, device=device)
     rows = torch.empty(dist.get_world_size() * mine.numel(), dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(rows, mine)
+    _all_gather(rows, mine)
     rows = rows.view(dist.get_world_size(), -1).tolist()
     if all(r[0] == rows[0][0] and r[1] >= 0 for r in rows):
         return [(agreed, tuple(r[2 : 2 + r[1]])) for r in rows]
