@@ -35,6 +35,9 @@ class CallPlan:
     # The local function reshapes the one global input's part, the first argument, unboxed, to the output's local
     # shape (views): ``_run`` calls it; the C hit path runs ``part.reshape(local shape)`` itself.
     reshapes_part: bool
+    # The op runs on the unboxed parts of a member rank, its local function telling it only the output's local sizes
+    # (``sizes_only`` local functions: a view's reshape, ``expand``, ``new_zeros``); what plain units rely on.
+    sizes_only: bool
     # The op runs on the parts as they are (``as_is``), its global arguments all positional (lists included) and
     # none written: ``_run`` runs it; the C hit path runs it itself, whatever it returns.
     runs_as_is: bool
@@ -83,6 +86,12 @@ def compile_plan(bound: BoundCall, decision: Decision) -> CallPlan:
         and len(decision.outputs) == 1
     )
     as_is = unboxed and decision.rule.outside is None
+    sizes_only = (
+        coord is not None
+        and getattr(local_fn, "sizes_only", False)
+        and decision.rule.outside is None
+        and all(p is None for p in plans)
+    )
     runs_as_is = as_is and not written and not any(isinstance(where, str) for where, _ in slots)
     return CallPlan(
         func,
@@ -98,6 +107,7 @@ def compile_plan(bound: BoundCall, decision: Decision) -> CallPlan:
         lambda x, op, axis: comm.all_reduce(x, op, comm.axis_group(placement, axis)),
         as_is,
         reshapes_part,
+        sizes_only,
         runs_as_is,
         simple,
     )

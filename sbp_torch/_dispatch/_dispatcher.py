@@ -183,16 +183,6 @@ def recording(calls: list):
         _RECORDER.reset(token)
 
 
-def _sizes_only(entry) -> bool:
-    """Whether a cached entry runs its op on the unboxed parts of a member rank, with only the output's sizes made
-    local (``sizes_only`` local functions)."""
-    decision = getattr(entry, "decision", None)
-    if decision is None or decision.local_fn is None or entry.coord is None or decision.rule.outside is not None:
-        return False
-    local_fn = decision.rule.local_fns.get(decision.local_fn)
-    return getattr(local_fn, "sizes_only", False) and all(p is None for p in entry.plans)
-
-
 def _recorded(func, args, kwargs):
     calls = _RECORDER.get()
     token = _RECORDER.set(None)
@@ -200,13 +190,13 @@ def _recorded(func, args, kwargs):
         out = dispatch(func, args, kwargs)
     finally:
         _RECORDER.reset(token)
+    if func is _DETACH:  # (no entry: the part is detached as it is)
+        calls.append((func, args, kwargs, out, True, False))
+        return out
     try:
         entry = CALLS.peek(call_key(func, op_schema(func), args, kwargs))
     except TypeError:
         entry = None
-    if func is _DETACH:  # (no entry: the part is detached as it is)
-        calls.append((func, args, kwargs, out, True, False))
-        return out
     ran = entry is not None and entry.func is func
-    calls.append((func, args, kwargs, out, ran and entry.as_is, ran and _sizes_only(entry)))
+    calls.append((func, args, kwargs, out, ran and entry.as_is, ran and getattr(entry, "sizes_only", False)))
     return out
