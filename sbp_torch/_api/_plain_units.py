@@ -249,8 +249,9 @@ class _Replay(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
-        if not self.paused and func is not _DETACH and tensors:
+        if self.paused or func is _DETACH:
+            return out
+        if any(isinstance(a, torch.Tensor) for a in tree_flatten((args, kwargs))[0]):
             self.calls.append((func, args, kwargs or {}, out))
         return out
 
