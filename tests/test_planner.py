@@ -271,6 +271,44 @@ def _train(model, plan_or_none, steps=3):
     return losses, optimizer
 
 
+def test_under_a_memory_limit_the_plan_recomputes_units_in_backward_where_storage_alone_does_not_fit():
+    """64 rows: activations dominate. Recomputing the blocks keeps only each block's input (and, while a block's
+    backward runs, its activations once more), for one more forward of the blocks."""
+    model, batch = _model(), _batch(64)
+    free = planner.plan(model, batch, 2)
+    assert not free.recompute  # (without a limit recomputation only costs time)
+    limit = 0.75 * free.predicted.memory_bytes
+    tight = planner.plan(model, batch, 2, memory_per_rank=limit)
+    assert tight.recompute == ["blocks.*"] and "recomputed in backward: blocks.*" in str(tight)
+    assert tight.predicted.memory_bytes <= limit and tight.predicted.memory["recomputed"] > 0
+    assert tight.predicted.memory["activations"] < free.predicted.memory["activations"] / 4
+    assert tight.predicted.compute_s > free.predicted.compute_s  # the blocks' forward, again
+    assert planner.Plan.from_json(tight.to_json()).recompute == ["blocks.*"]
+
+
+def _recomputing_job(sharded):
+    reference = _model()
+    model = copy.deepcopy(reference)
+    plan = planner.plan(model, _batch(), dist.get_world_size())
+    plan.recompute, plan.sharded = ["blocks.*"], sharded  # (a plan is data: edited, it applies as it reads)
+    if sharded:
+        plan.data_axis = 0
+    model.to_global(plan)
+    calls = []
+    model.blocks[0].register_forward_pre_hook(lambda module, args: calls.append(torch.is_grad_enabled()))
+    want, _ = _train(reference, None)
+    got, _ = _train(model, plan)
+    return want, got, calls
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("sharded", [False, True], ids=["replicated", "sharded"])
+def test_a_plan_that_recomputes_its_units_trains_like_one_process(sharded):
+    for want, got, calls in run_on_world(2, _recomputing_job, sharded, _timeout=240):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6)
+        assert len(calls) == 2 * 3  # each step: the forward, then its recomputation in backward
+
+
 def _planned_job(mesh, memory_fraction):
     reference = _model()
     model = copy.deepcopy(reference)
@@ -279,6 +317,8 @@ def _planned_job(mesh, memory_fraction):
     limit = None if memory_fraction is None else memory_fraction * free.predicted.memory_bytes
     plan = planner.plan(model, _batch(), target, memory_per_rank=limit)
     model.to_global(plan)
+    pinned = [name for name, m in model.named_modules() if getattr(m, "_sbp_torch_boundary_pin", None)]
+    assert pinned == [f"blocks.{i}" for i in range(len(model.blocks))]  # the units' edges, not the modules inside
     want, _ = _train(reference, None)
     got, optimizer = _train(model, plan)
     report = st.memory_report(model, optimizer)

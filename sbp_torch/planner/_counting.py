@@ -35,6 +35,8 @@ class Measured:
     saved_bytes: int = 0  # activations autograd keeps for backward (parameters not counted)
     peak_bytes: int = 0  # the most bytes the op outputs made during the run held at once (see ``CountOps``)
     grads: dict[int, GlobalMeta] = field(default_factory=dict)  # id(parameter) -> the layout its gradient got
+    forward_ops: int = 0  # how many of ``ops`` the forward ran (the rest are backward's)
+    input_bytes: int = 0  # a unit's inputs that require grad: what recomputing it in backward keeps instead
 
 
 def _local(a):
@@ -129,6 +131,7 @@ def measure(fn, params: list[GlobalTensor], known: KnownValues | None = None) ->
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = fn()
         outputs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.requires_grad]
+        found.forward_ops = len(found.ops)
         if outputs:
             phase["backward"] = True
             torch.autograd.backward(outputs, [torch.ones_like(o) for o in outputs])

@@ -84,6 +84,19 @@ def from_trace(measured: Measured, costs: CostModel) -> Estimate:
     return Estimate(compute, comm, memory=memory, collectives=kinds)
 
 
+def recomputed_forward(measured: Measured, costs: CostModel) -> Estimate:
+    """What recomputing a traced unit in backward adds to its estimate: its forward's ops and collectives once
+    more, and its inputs kept in place of its activations (one unit's activations are alive again while its
+    backward runs: ``recompute_memory``)."""
+    forward = measured.ops[: measured.forward_ops]
+    compute = sum(costs.op_s(flops, nbytes, dtype) for flops, nbytes, dtype in forward)
+    again = [c for c in measured.collectives if not c.backward]
+    comm = sum(costs.collective_s(c.kind, c.ranks, _bytes(c)) for c in again)
+    kinds = dict(collections.Counter(c.kind.split(" (")[0] for c in again))
+    memory = {"activations": measured.input_bytes - measured.saved_bytes}
+    return Estimate(compute, comm, memory=memory, collectives=kinds)
+
+
 def _bytes(collective) -> int:
     """What a collective puts in; for one whose size depends on values (routing), its size if routing is even."""
     return collective.bytes if collective.bytes is not None else collective.even_estimate or 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ._cost_model import CostModel
 from ._decisions import Group, in_unit, parameter_layouts
-from ._estimate import Estimate, from_trace, parameters_estimate
+from ._estimate import Estimate, from_trace, parameters_estimate, recomputed_forward
 from ._tracing import Tracer
 
 
@@ -22,6 +22,7 @@ class OptionCosts:
         self.mesh = tracer.mesh
         self.traces = 0
         self.traced: dict[tuple, Estimate] = {}  # (group, option) -> the traced part of its first unit
+        self.recomputed: dict[tuple, dict] = {}  # (group, option) -> by storage, with every unit recomputed
 
     def layouts(self, choice: dict) -> dict:
         return parameter_layouts(self.tracer.model, self.groups, choice)
@@ -41,7 +42,8 @@ class OptionCosts:
 
     def unit_option(self, index: int, option: tuple) -> dict[bool, Estimate]:
         """A container's estimate (all its units) for ``option``, by storage (False: replicated). The first two
-        units are traced; the second stands for the rest, and is the first again when they look alike."""
+        units are traced; the second stands for the rest, and is the first again when they look alike. The same
+        with every unit recomputed in backward goes to ``recomputed[index, option]``, from the same traces."""
         group = self.groups[index]
         layouts = self.layouts({index: option})
         n = len(group.units)
@@ -53,22 +55,29 @@ class OptionCosts:
             measured, params = self.tracer.run_unit(unit, layouts)
             self.traces += 1
             self.on_trace()
-            per_unit.append((from_trace(measured, self.costs), _pairs(params, measured, self.tracer.metas)))
+            pairs = _pairs(params, measured, self.tracer.metas)
+            per_unit.append((from_trace(measured, self.costs), pairs, recomputed_forward(measured, self.costs)))
         self.traced[index, option] = per_unit[0][0]
         weights = [1] + [n - 1] if n > 1 else [1]
-        results = {}
-        for sharded in (False, True):
-            total = Estimate()
-            gathered = 0.0
-            for (trace_est, pairs), weight in zip(per_unit, weights):
-                est = trace_est + self.params_estimate(pairs, sharded, kept=False)
-                gathered = max(gathered, est.memory.get("gathered", 0))
-                total = total.plus(est, weight)
-            total.memory["gathered"] = gathered * min(n, 2)  # one unit computes while the next is gathered
-            # one unit's temporaries are alive at a time, not every unit's
-            total.memory["temporaries"] = max(e.memory.get("temporaries", 0) for e, _ in per_unit)
-            results[sharded] = total
-        return results
+        results: dict[bool, dict[bool, Estimate]] = {False: {}, True: {}}
+        for recompute in (False, True):
+            for sharded in (False, True):
+                total = Estimate()
+                gathered = 0.0
+                for (trace_est, pairs, again), weight in zip(per_unit, weights):
+                    est = trace_est + self.params_estimate(pairs, sharded, kept=False)
+                    if recompute:
+                        est = est + again
+                    gathered = max(gathered, est.memory.get("gathered", 0))
+                    total = total.plus(est, weight)
+                total.memory["gathered"] = gathered * min(n, 2)  # one unit computes while the next is gathered
+                # one unit's temporaries are alive at a time, not every unit's
+                total.memory["temporaries"] = max(e.memory.get("temporaries", 0) for e, _, _ in per_unit)
+                if recompute:  # the activations of the unit whose backward runs, recomputed
+                    total.memory["recomputed"] = max(e.memory.get("activations", 0) for e, _, _ in per_unit)
+                results[recompute][sharded] = total
+        self.recomputed[index, option] = results[True]
+        return results[False]
 
     def root_option(self, option: tuple, units_base: Estimate) -> dict[bool, Estimate]:
         layouts = self.layouts({0: option})

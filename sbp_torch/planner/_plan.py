@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import nn
+from torch.distributed._composable import checkpoint as recomputed_in_backward
 
 from .._api import module_to_global
 from .._layout import GlobalMeta, Partial, Placement, SbpType, Split, broadcast
@@ -77,13 +78,16 @@ class Plan:
         mesh: the placement's shape; ``data_axis`` splits the batch, ``tensor_axis`` the layers (either may be
             None). ``sharded``: parameters are stored split over the data axis (``Module.to_global(shard=)``).
         parameters: full parameter name -> its SBP (text, one entry per placement axis) while computing.
-        boundaries: unit name pattern -> the hidden state's SBP at the unit's input and output.
+        boundaries: unit name pattern -> the hidden state's SBP at the unit's input and output (each ``*`` of a
+            pattern matches one name: ``"model.layers.*"`` names the layers, not the modules inside them).
         decisions: per group (the root ``""``, or a unit pattern) the option each set of modules took.
         predicted: the planner's estimate; ``alternatives``: the best estimate of every mesh and storage tried
             (``replicated``: nothing split over its tensor axis, never chosen while another fits; ``measured_s``:
             its timed step, where ``plan(measure=k)`` timed it).
         measured_s: the median seconds of a real step, where ``plan(measure=k)`` timed it (None otherwise).
         step: the step priced: ``"eager"`` (op by op through the dispatcher) or ``"compiled"`` (``compile_step``).
+        recompute: unit patterns whose units keep only their inputs for backward and run their forward again
+            there (activation checkpointing: ``torch.distributed._composable.checkpoint`` on each unit).
     """
 
     world_size: int
@@ -101,6 +105,7 @@ class Plan:
     alternatives: list = field(default_factory=list)
     measured_s: float | None = None
     step: str = "eager"
+    recompute: list = field(default_factory=list)  # unit patterns whose units are recomputed in backward
 
     @property
     def mesh_label(self) -> str:
@@ -128,8 +133,13 @@ class Plan:
         module_to_global(module, placement, sbp, shard=shard)
         for name, sub in module.named_modules():
             for pattern, text in self.boundaries.items():
-                if fnmatch.fnmatchcase(name, pattern):
+                if names_unit(pattern, name):
                     BoundaryPin.install(sub, sbp_from_text(text))
+        for name, sub in module.named_modules():
+            # (after the layout's hooks: a recomputation calls the unit again through them, gathering its
+            # sharded parameters and pinning its input as the first call did)
+            if any(names_unit(pattern, name) for pattern in self.recompute):
+                recomputed_in_backward(sub)
         return module
 
     def batch_sbp(self, tensor: torch.Tensor) -> tuple[SbpType, ...]:
@@ -181,6 +191,7 @@ class Plan:
         lines += ["", f"  {'parameter':48} layout (every other parameter: broadcast)"]
         lines += [f"  {name:48} {text}" for name, text in split.items()]
         lines += [f"  boundary {pattern}: {text}" for pattern, text in self.boundaries.items()]
+        lines += [f"  recomputed in backward: {pattern}" for pattern in self.recompute]
         if self.alternatives:
             timed = any(a.get("measured_s") is not None for a in self.alternatives)
             lines += ["", f"  {'layout tried':32} {'step ms':>10} {'memory':>12}" + (f" {'measured ms':>12}" * timed)]
@@ -211,6 +222,13 @@ class Plan:
             return cls.from_json(f.read())
 
 
+def names_unit(pattern: str, name: str) -> bool:
+    """Whether the unit pattern ``pattern`` (``"model.layers.*"``) names the module ``name``: name by name, each
+    ``*`` one name, so that the modules inside a unit (``model.layers.0.mlp``) are not taken for units."""
+    parts, names = pattern.split("."), name.split(".")
+    return len(parts) == len(names) and all(fnmatch.fnmatchcase(n, p) for n, p in zip(names, parts))
+
+
 def describe_mesh(mesh, data_axis, tensor_axis, sharded) -> str:
     parts = []
     if data_axis is not None:
@@ -225,6 +243,8 @@ def _alternative_line(alternative: dict, timed: bool, chosen: bool) -> str:
     if timed:
         measured = alternative.get("measured_s")
         line += f" {'-' if measured is None else f'{measured * 1e3:.3f}':>12}"
+    if alternative.get("recomputed"):
+        line += "  (units recomputed)"
     return line + ("  (nothing split over tensor: not chosen)" if alternative.get("replicated") and not chosen else "")
 
 

@@ -143,7 +143,9 @@ def plan(
                     continue
                 est = _assemble(tables, picks, sharded)
                 est = est + step_estimate(costs, tracer.placement, mesh.data_axis, sharded, n_units + 1, est.reduced)
-                candidates.append(_Candidate(est, mesh, sharded, dict(enumerate(picks)), tracer))
+                choice = {index: option for index, (option, _) in enumerate(picks)}
+                recomputed = tuple(index for index, (_, again) in enumerate(picks) if again)
+                candidates.append(_Candidate(est, mesh, sharded, choice, tracer, recomputed))
             reporter.mesh_done()
     plans, failure = [], None
     if candidates:
@@ -206,6 +208,7 @@ class _Candidate(NamedTuple):
     sharded: bool
     choice: dict  # group index -> the option of each of its decisions
     tracer: Tracer
+    recomputed: tuple = ()  # indices of the unit containers whose units are recomputed in backward
 
     def label(self) -> str:
         return describe_mesh(self.mesh.shape, self.mesh.data_axis, self.mesh.tensor_axis, self.sharded)
@@ -221,6 +224,8 @@ class _Candidate(NamedTuple):
         summary = {"label": self.label(), "step_s": self.est.step_s(costs), "memory_bytes": self.est.memory_bytes()}
         if self.replicated():
             summary["replicated"] = True
+        if self.recomputed:
+            summary["recomputed"] = True
         return summary
 
     def plan(self, model, groups, size, costs, device, search, alternatives) -> Plan:
@@ -234,6 +239,7 @@ class _Candidate(NamedTuple):
             sharded=self.sharded,
             parameters={name: sbp_text(self.tracer.sbp(layouts.get(name, broadcast))) for name in names},
             boundaries={g.pattern(): sbp_text(self.tracer.boundary) for g in groups[1:]},
+            recompute=[groups[index].pattern() for index in self.recomputed],
             decisions={
                 g.pattern(): {d.label: option for d, option in zip(g.decisions, self.choice[i])}
                 for i, g in enumerate(groups)
@@ -247,16 +253,25 @@ class _Candidate(NamedTuple):
 
 
 def _tables(option_costs: OptionCosts, limit: int) -> tuple[list[dict], dict]:
-    """Per group (the root first) option -> estimates by storage, for one mesh; and how the search went."""
+    """Per group (the root first) (option, recomputed) -> estimates by storage, for one mesh; and how the search
+    went."""
     groups, methods = option_costs.groups, set()
     tables: list[dict] = [{}]
     units_base = Estimate()  # the traced part of each container's first unit at "replicate": in the cut step
     for index in range(1, len(groups)):
         table, method = _search_group(option_costs, index, limit, lambda c, i=index: option_costs.unit_option(i, c))
         methods.add(method)
-        tables.append(table)
+        # each option as it is and with the container's units recomputed in backward (priced from the same traces)
+        tables.append(
+            {
+                (c, again): table[c] if not again else option_costs.recomputed[index, c]
+                for c in table
+                for again in (False, True)
+            }
+        )
         units_base = units_base + option_costs.traced[index, option_costs.replicate(groups[index])]
-    tables[0], method = _search_group(option_costs, 0, limit, lambda c: option_costs.root_option(c, units_base))
+    root, method = _search_group(option_costs, 0, limit, lambda c: option_costs.root_option(c, units_base))
+    tables[0] = {(c, False): estimates for c, estimates in root.items()}  # (the root is no unit: never recomputed)
     methods.add(method)
     return tables, {"methods": methods, "traces": option_costs.traces}
 

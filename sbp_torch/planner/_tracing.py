@@ -7,7 +7,7 @@ import contextlib
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from .. import _comm as comm
 from .._api._global_mode import GlobalMode
@@ -52,6 +52,12 @@ def _detached(a, known: KnownValues):
     if hasattr(a, "get_seq_length"):
         return None
     return a
+
+
+def _grad_input(a) -> bool:
+    """Whether a unit's argument is one that recomputing the unit keeps: a global tensor that requires grad (the
+    hidden state; masks and position tables are kept by the step anyway, once for every unit)."""
+    return isinstance(a, GlobalTensor) and a.requires_grad
 
 
 class Tracer:
@@ -203,4 +209,6 @@ class Tracer:
                 measured, _ = measure(forward, list(params.values()), self.known)
         finally:
             pin.remove()
+        inputs = {id(a._local): a._local for a in tree_flatten((args, kwargs))[0] if _grad_input(a)}
+        measured.input_bytes = sum(t.numel() * t.element_size() for t in inputs.values())
         return measured, params
