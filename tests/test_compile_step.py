@@ -8,6 +8,7 @@ state replaced outside the step) and check the retrace, or break the rules and c
 
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 import inspect
@@ -20,6 +21,7 @@ from hypothesis import strategies as st_
 from torch import nn
 
 import sbp_torch as st
+import sbp_torch._api._compile_step as compile_step_module
 from sbp_torch.sbp import broadcast as B
 from sbp_torch.sbp import split as S
 from zoo.gpt import load_example
@@ -191,6 +193,14 @@ def _gpt_training(mode):
         ref_sched.step()
     optimizer = gpt.make_optimizer(model)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 2, 0.5)
+    programs = []  # the collectives of each program handed to the backend
+    handed = compile_step_module._compiled
+
+    def seen(backend, gm):
+        programs.append(collections.Counter(n.target for n in gm.graph.nodes if "_c10d_functional" in str(n.target)))
+        return handed(backend, gm)
+
+    compile_step_module._compiled = seen
     whole = (B,) * placement.ndim
     layout = lambda t: t.to_global(placement, whole, check_meta=False).to_global(sbp=batch_sbp)  # noqa: E731
     step = st.compile_step(
@@ -200,20 +210,27 @@ def _gpt_training(mode):
         backend=None,
     )
     got = []
-    for idx, targets in batches:
-        got.append(step(idx, targets).item())
-        scheduler.step()  # the learning rate halves every 2 steps: read per call, no new trace
+    try:
+        for idx, targets in batches:
+            got.append(step(idx, targets).item())
+            scheduler.step()  # the learning rate halves every 2 steps: read per call, no new trace
+    finally:
+        compile_step_module._compiled = handed
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     # AdamW divides each gradient by its own size, so rounding noise in gradients near zero (a key's bias, which
     # softmax ignores) moves parameters by up to 7e-5 after 5 steps here: as much in eager sbp_torch's tensor
     # parallelism as in this program's.
     _assert_params_match(model, reference, atol=2e-4)
-    return step.traces
+    all_reduces = programs[0][torch.ops._c10d_functional.all_reduce.default]
+    return step.traces, all_reduces, len(list(model.parameters()))
 
 
 @pytest.mark.parametrize("mode", ["dp", "tp"])
 def test_gpt_example_matches_one_process(mode):
-    assert run_on_world(2, _gpt_training, mode, _timeout=300) == [1, 1]
+    for traces, all_reduces, parameters in run_on_world(2, _gpt_training, mode, _timeout=300):
+        assert traces == 1
+        if mode == "dp":  # the gradients reduced in one bucket, as eagerly, beside the loss's reductions
+            assert all_reduces <= 3 < parameters
 
 
 def _retraces():

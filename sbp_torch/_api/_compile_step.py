@@ -429,6 +429,7 @@ class CompiledStep:
             _refuse_before_tracing(self.traces, arg_leaves)
             with _restored(self, holders), comm.tracing_program() as agreed, device_draws_refused():
                 gm = make_fx(program, tracing_mode="fake", decomposition_table=_decompositions(self.backend))(*examples)
+            comm.bucket_collectives(gm)  # (one round trip per bucket, not per gradient: eager's reducer does too)
             if self.cuda_graphs:  # (before the backend's compilation, the long part)
                 _refuse(step_graph.refusal_of_program(comm.holds_collectives(gm)))
                 _refuse(step_graph.refusal_of_inputs(examples, [_part(a) for a in arg_leaves]))
