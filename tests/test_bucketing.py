@@ -53,6 +53,20 @@ def _holder_read_between(g1, g2, g3, x):
     return x.sum()
 
 
+def _pure_readers(g1, g2, g3, x):
+    """The first result is read by ops that only make outputs, then accumulated: they move after the bucket."""
+    g1.add_(funcol.all_reduce(x * 2, "sum", _group()).clone() * 3)
+    g2.add_(funcol.all_reduce(x * 3, "sum", _group()))
+    return x.sum()
+
+
+def _communicating_reader(g1, g2, g3, x):
+    """The first result is read by another collective: it may not move, so the next all-reduce may not either."""
+    g1.add_(funcol.all_gather_tensor(funcol.all_reduce(x * 2, "sum", _group()), 0, _group())[:4])
+    g2.add_(funcol.all_reduce(x * 3, "sum", _group()))
+    return x.sum()
+
+
 def _scattered(g1, g2, g3, x):
     """Reduce-scatters whose results lose padding (a slice) before they are accumulated: one bucket."""
     g1[:1].add_(funcol.reduce_scatter_single(x * 2, "sum", 0, _group())[:1])
@@ -66,6 +80,8 @@ PROGRAMS = {
     "read between": (_read_between, 1),
     "written after issue": (_written_after_issue, 0),
     "holder read between": (_holder_read_between, 0),
+    "pure readers": (_pure_readers, 1),
+    "communicating reader": (_communicating_reader, 0),
     "scattered": (_scattered, 2),
 }
 

@@ -9,6 +9,7 @@ state replaced outside the step) and check the retrace, or break the rules and c
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import functools
 import inspect
@@ -176,6 +177,23 @@ def test_inductor_traces_with_its_own_decompositions():
     assert run_on_world(2, _cached_attention, _timeout=300) == [1, 1]
 
 
+@contextlib.contextmanager
+def _programs_seen():
+    """The collectives of each program ``compile_step`` hands its backend while the block runs (op -> count)."""
+    programs = []
+    handed = compile_step_module._compiled
+
+    def seen(backend, gm):
+        programs.append(collections.Counter(n.target for n in gm.graph.nodes if "_c10d_functional" in str(n.target)))
+        return handed(backend, gm)
+
+    compile_step_module._compiled = seen
+    try:
+        yield programs
+    finally:
+        compile_step_module._compiled = handed
+
+
 def _gpt_training(mode):
     gpt = load_example()
     torch.manual_seed(0)
@@ -193,14 +211,6 @@ def _gpt_training(mode):
         ref_sched.step()
     optimizer = gpt.make_optimizer(model)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 2, 0.5)
-    programs = []  # the collectives of each program handed to the backend
-    handed = compile_step_module._compiled
-
-    def seen(backend, gm):
-        programs.append(collections.Counter(n.target for n in gm.graph.nodes if "_c10d_functional" in str(n.target)))
-        return handed(backend, gm)
-
-    compile_step_module._compiled = seen
     whole = (B,) * placement.ndim
     layout = lambda t: t.to_global(placement, whole, check_meta=False).to_global(sbp=batch_sbp)  # noqa: E731
     step = st.compile_step(
@@ -210,12 +220,10 @@ def _gpt_training(mode):
         backend=None,
     )
     got = []
-    try:
+    with _programs_seen() as programs:
         for idx, targets in batches:
             got.append(step(idx, targets).item())
             scheduler.step()  # the learning rate halves every 2 steps: read per call, no new trace
-    finally:
-        compile_step_module._compiled = handed
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     # AdamW divides each gradient by its own size, so rounding noise in gradients near zero (a key's bias, which
     # softmax ignores) moves parameters by up to 7e-5 after 5 steps here: as much in eager sbp_torch's tensor
@@ -469,15 +477,21 @@ def _clipped_training(kind):
         optimizer.step()
         return loss, norm
 
-    got = [step(x)[0].item() for x in batches]
+    with _programs_seen() as programs:
+        got = [step(x)[0].item() for x in batches]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     _assert_params_match(model, reference)
-    return step.traces
+    ops = torch.ops._c10d_functional
+    merged = programs[0][ops.all_gather_into_tensor.default], programs[0][ops.reduce_scatter_tensor.default]
+    return step.traces, merged, len(list(model.parameters()))
 
 
 @pytest.mark.parametrize("kind", ["tensor parallel", "sharded"])
 def test_clipping_inside_the_step(kind):
-    assert run_on_world(2, _clipped_training, kind) == [1, 1]
+    for traces, (gathers, scatters), parameters in run_on_world(2, _clipped_training, kind):
+        assert traces == 1
+        if kind == "sharded":  # one unit: its parameters gathered, and their gradients reduced, in one bucket each
+            assert (gathers, scatters) == (1, 1) and parameters > 1
 
 
 class TwoHeads(nn.Module):

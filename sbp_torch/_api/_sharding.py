@@ -22,10 +22,12 @@ import enum
 import fnmatch
 import math
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.utils._pytree import tree_map
 
 from .. import _comm as comm
@@ -216,6 +218,8 @@ class ShardedModel:
         # traced: a module's parameters converted for its call (an entry per module: a list per module, as a stack
         # for nested calls, broke the compiled graph in two)
         self.converted: dict[nn.Module, Swap] = {}
+        # traced whole: a unit's parameters converted at its first use, until its call ends (``_converted``)
+        self.traced_copies: dict[_Unit, tuple] = {}
         self.saved: set[int] = set()  # the storages autograd saved in this step's forward
         self.saved_bytes = 0  # theirs, together
         self.peak_saved = 0
@@ -266,6 +270,7 @@ class ShardedModel:
 
     def _leave(self, unit: _Unit) -> None:
         if _traced():
+            self.traced_copies.pop(unit, None)
             return
         if unit.swaps:
             unit.swaps.pop().put_back()
@@ -283,13 +288,35 @@ class ShardedModel:
         compiled, not the root's hooks)."""
         if not _traced():
             return
-        converting = [(name, p) for name, p, unit in entries if not unit.gathered]
-        swap = Swap(  # (cast first: gathered in the compute dtype, as eagerly)
-            [Slot(module._parameters, name) for name, _ in converting],
-            [p.stored.to(p.compute.dtype).to_global(sbp=p.compute.sbp) for _, p in converting],
+        converting = [(name, p, unit) for name, p, unit in entries if not unit.gathered]
+        swap = Swap(
+            [Slot(module._parameters, name) for name, _, _ in converting],
+            [self._converted(unit, p) for _, p, unit in converting],
         )
         swap.put()
         self.converted[module] = swap
+
+    def _converted(self, unit: _Unit, p: _ShardedParameter) -> GlobalTensor:
+        """Traced: ``p`` in its compute layout (cast first: gathered in the compute dtype, as eagerly). In a program
+        traced whole (``compile_step``), a unit's parameters are converted together at its first use, so that its
+        gathers are issued back to back, as one bucket eagerly, and the program's bucketing merges them; they are
+        converted again after the unit's call ends. Dynamo traces Python state apart: there each module converts its
+        own."""
+
+        def convert(q: _ShardedParameter) -> GlobalTensor:
+            return q.stored.to(q.compute.dtype).to_global(sbp=q.compute.sbp)
+
+        if torch.compiler.is_dynamo_compiling():
+            return convert(p)
+        mode = get_proxy_mode()
+        if mode is None:
+            return convert(p)
+        held = self.traced_copies.get(unit)
+        if held is None or held[0]() is not mode:  # (none yet, or left by another trace)
+            with comm.issued_together():
+                copies = {id(q): convert(q) for q in unit.params}
+            held = self.traced_copies[unit] = (weakref.ref(mode), copies)
+        return held[1][id(p)]
 
     def _restore(self, module: nn.Module) -> None:
         swap = self.converted.pop(module, None)

@@ -3,7 +3,7 @@ parts included), point-to-point exchanges, the metadata agreement that lets ever
 rank does when it can no longer stay in step with the others (``_faults.py``)."""
 
 from ._agreement import agree
-from ._bucketing import bucket_collectives
+from ._bucketing import bucket_collectives, issued_together
 from ._collectives import (
     POINT_TO_POINT,
     all_gather,

@@ -1,28 +1,58 @@
-"""Collectives of a traced program merged into buckets: one all-reduce (or reduce-scatter) of a flat buffer where
-the program issues several on one group, with one reduction and dtype, whose results nothing reads in between.
+"""Collectives of a traced program merged into buckets: one all-reduce (reduce-scatter, all-gather) of a flat buffer
+where the program issues several on one group, with one reduction and dtype.
 
 A whole step traced by ``compile_step`` reduces each parameter's gradient where it is complete, one collective per
-use; on a link where every message pays a round trip (gloo, a network) those round trips are most of what the
-reduction costs. Eagerly the gradient reducer buckets them; a traced program holds them one by one, and the
-``eager`` and ``aot_eager`` backends run no pass that merges them.
+use, and gathers each sharded parameter apart; on a link where every message pays a round trip (gloo, a network)
+those round trips are most of what the traffic costs. Eagerly the gradient reducer and a sharded unit's gather
+bucket them; a traced program holds them one by one, and the ``eager`` and ``aot_eager`` backends run no pass that
+merges them.
 
-Which collectives merge is decided by the graph's structure alone, never by sizes: a collective joins the open
-bucket of its kind, group, reduction and dtype when it comes before the first read of any result in that bucket,
-and nothing wrote into the bucket's inputs since its first member (a write closes the bucket).
-Ranks whose parts differ in size (uneven splits) then merge alike, and the merged collectives keep the order the
-graph gives them on every rank. The bucket runs where its last member ran, so every input exists by then, and
-each member's result is a view of the reduced buffer, read only after it."""
+Which collectives merge is decided by the graph's structure alone, never by sizes, so ranks whose parts differ in
+size (uneven splits) merge alike:
+
+* all-reduces and reduce-scatters: a collective joins the open bucket of its kind, group, reduction and dtype when
+  what read the bucket's results so far can run after it instead (below), and nothing else wrote into the bucket's
+  inputs since they were issued;
+* all-gathers: those traced inside one ``issued_together`` block (a sharded unit's parameters, converted together)
+  merge, on the same condition.
+
+The merged collective runs where the bucket's last member ran, so every input exists by then. What read an earlier
+member's result before that point moves after it, in its order: only ops without effects beyond their outputs
+(no collective, no random draw) or in-place writes, none of which the last member needs, none of whose inputs
+anything else in between writes, and none of whose writes anything else in between reads. Each member's result is
+then a view of the merged buffer."""
 
 from __future__ import annotations
 
-import math
+import contextlib
 import operator
 
 import torch
 from torch.fx import GraphModule, Node
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 _OPS = torch.ops._c10d_functional
 _MERGED = {_OPS.all_reduce.default, _OPS.reduce_scatter_tensor.default}
+_GATHER = _OPS.all_gather_into_tensor.default
+_TOGETHER = "sbp_torch_issued_together"  # node meta: the nodes traced inside one ``issued_together`` block
+
+
+@contextlib.contextmanager
+def issued_together():
+    """While a program is traced whole (``make_fx``): the all-gathers traced inside are one bucket's, to be merged
+    by ``bucket_collectives`` (a sharded unit's parameters, converted together). Elsewhere it does nothing."""
+    mode = get_proxy_mode()
+    if mode is None:
+        yield
+        return
+    graph = mode.tracer.graph
+    before = next(iter(reversed(graph.nodes)))
+    yield
+    token = object()
+    node = before.next
+    while node is not graph._root:
+        node.meta[_TOGETHER] = token
+        node = node.next
 
 
 def _static(node: Node) -> bool:
@@ -49,15 +79,31 @@ def _written(node: Node) -> set:
     target = node.target
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or not target._schema.is_mutable:
         return set()
-    written = set()
-    for argument, value in zip(target._schema.arguments, node.args):
-        if argument.alias_info is not None and argument.alias_info.is_write:
-            written.add(_base(value))
-    for name, value in node.kwargs.items():
-        argument = next((a for a in target._schema.arguments if a.name == name), None)
-        if argument is not None and argument.alias_info is not None and argument.alias_info.is_write:
-            written.add(_base(value))
-    return written
+    given = dict(zip((a.name for a in target._schema.arguments), node.args)) | node.kwargs
+    return {
+        _base(given[a.name])
+        for a in target._schema.arguments
+        if a.alias_info is not None and a.alias_info.is_write and a.name in given
+    }
+
+
+def _movable(node: Node) -> bool:
+    """Whether ``node`` may run later: an op whose only effects are its outputs and its in-place writes."""
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if target is operator.getitem:
+        return True
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace in ("_c10d_functional", "c10d"):
+        return False
+    return torch.Tag.nondeterministic_seeded not in target.tags
+
+
+def _candidate(node: Node, kinds) -> Node | None:
+    """The wait of a collective of ``kinds`` whose sizes the trace knows, or None."""
+    if node.op != "call_function" or node.target not in kinds or not _static(node.args[0]):
+        return None
+    return _wait_of(node)
 
 
 def _key(node: Node) -> tuple:
@@ -66,103 +112,108 @@ def _key(node: Node) -> tuple:
     return (node.target, *node.args[1:], node.args[0].meta["val"].dtype)
 
 
-class _Bucket:
-    """Collectives to merge: ``members`` (collective, wait); ``deadline``, the first read of a result that cannot
-    wait; ``inputs``, their inputs' storages; ``sunk``, the accumulations of results into a graph input that move
-    after the bucket (``holders``: those inputs)."""
-
-    def __init__(self):
-        self.members: list[tuple[Node, Node]] = []
-        self.deadline = math.inf
-        self.inputs: set = set()
-        self.sunk: list[Node] = []
-        self.holders: set = set()
-
-    def touched_by(self, node: Node) -> bool:
-        """Whether ``node`` reads what a sunk accumulation writes, or its result: it must see them done."""
-        if node in self.sunk:
-            return False
-        return any(a in self.sunk or _base(a) in self.holders for a in node.all_input_nodes)
+def _ancestors(node: Node, since: int, position: dict) -> set:
+    """The nodes at or after position ``since`` that ``node`` depends on."""
+    seen, stack = set(), list(node.all_input_nodes)
+    while stack:
+        a = stack.pop()
+        if a not in seen and position[a] >= since:
+            seen.add(a)
+            stack += a.all_input_nodes
+    return seen
 
 
-def _accumulation(user: Node) -> Node | None:
-    """The graph input an in-place accumulation (``grad.add_(reduced)``) writes into, or None for another node."""
-    written = _written(user)
-    holder = next(iter(written)) if len(written) == 1 else None
-    if isinstance(holder, Node) and holder.op == "placeholder" and _base(user.args[0]) is holder:
-        return holder
-    return None
-
-
-def _sinkable(user: Node) -> list[Node] | None:
-    """The nodes that may run later with ``user``: an accumulation of a result into a graph input, or views of the
-    result that only such accumulations read (a reduce-scatter's padding cut off); None where ``user`` may not."""
-    if _accumulation(user) is not None:
-        return [user]
-    if not (isinstance(user.target, torch._ops.OpOverload) and user.target.is_view and user.users):
+def _moved_after(members: list, until: Node, nodes: list, position: dict) -> list[Node] | None:
+    """What must move after a merged collective placed at ``until`` (the last member): the nodes before it that read
+    the members' results, transitively, in their order; None where the bucket cannot run there."""
+    end = position[until]
+    start = position[members[0][0]]
+    readers, stack = set(), [wait for _, wait in members]
+    while stack:
+        for user in stack.pop().users:
+            if position[user] < end and user not in readers:
+                readers.add(user)
+                stack.append(user)
+    if not all(_movable(r) for r in readers):
         return None
-    chain = [user]
-    for later in user.users:
-        rest = _sinkable(later)
-        if rest is None:
+    needed = set().union(*(_ancestors(c, start, position) for c, _ in members))
+    if readers & needed:
+        return None
+    inputs: dict = {}  # each input's storage -> where it is first reduced
+    for collective, _ in members:
+        inputs.setdefault(_base(collective.args[0]), position[collective])
+    writes = set().union(*(_written(r) for r in readers))
+    reads = {_base(a) for r in readers for a in r.all_input_nodes}
+    for node in nodes[start:end]:
+        if node in readers:
+            continue
+        written = _written(node)
+        if any(position[node] > inputs.get(b, end) for b in written):  # (a member would reduce the written value)
             return None
-        chain += rest
-    return chain
+        if written & reads or (writes and any(_base(a) in writes for a in node.all_input_nodes)):
+            return None
+    return sorted(readers, key=position.get)
 
 
 def bucket_collectives(gm: GraphModule) -> int:
-    """Merge ``gm``'s all-reduces and reduce-scatters into buckets, in place; returns how many collectives it
-    removed (0: the graph is unchanged)."""
+    """Merge ``gm``'s all-reduces and reduce-scatters into buckets, and the all-gathers of each ``issued_together``
+    block, in place; returns how many collectives it removed (0: the graph is unchanged)."""
     nodes = list(gm.graph.nodes)
     position = {node: i for i, node in enumerate(nodes)}
-    open_buckets: dict[tuple, _Bucket] = {}
-    closed: list[_Bucket] = []
+    buckets: list[tuple[list, list]] = []
+    open_buckets: dict[tuple, tuple[list, list]] = {}  # key -> (members as (collective, wait), nodes to move)
     for node in nodes:
-        written = _written(node)
-        for key in [k for k, b in open_buckets.items() if b.inputs & written or b.touched_by(node)]:
-            closed.append(open_buckets.pop(key))
-        if node.op != "call_function" or node.target not in _MERGED or not _static(node.args[0]):
-            continue
-        wait = _wait_of(node)
+        wait = _candidate(node, _MERGED)
         if wait is None:
             continue
-        chains = {user: _sinkable(user) for user in wait.users}
-        sunk = [n for chain in chains.values() if chain for n in chain]
-        first_read = min((position[u] for u, chain in chains.items() if chain is None), default=math.inf)
         key = _key(node)
         bucket = open_buckets.get(key)
-        if bucket is None or position[node] > bucket.deadline:
-            if bucket is not None:
-                closed.append(bucket)
-            bucket = open_buckets[key] = _Bucket()
-        bucket.members.append((node, wait))
-        bucket.deadline = min(bucket.deadline, first_read)
-        bucket.inputs.add(_base(node.args[0]))
-        bucket.sunk += sunk
-        bucket.holders |= {_accumulation(n) for n in sunk} - {None}
-    closed += open_buckets.values()
+        if bucket is not None:
+            moved = _moved_after([*bucket[0], (node, wait)], node, nodes, position)
+            if moved is not None:
+                open_buckets[key] = ([*bucket[0], (node, wait)], moved)
+                continue
+            buckets.append(bucket)
+        open_buckets[key] = ([(node, wait)], [])
+    buckets += open_buckets.values()
+    buckets += _gathers_issued_together(nodes, position)
     removed = 0
-    for bucket in closed:
-        if len(bucket.members) > 1:
-            last = position[bucket.members[-1][0]]
-            _merge(gm, bucket.members, sorted((n for n in bucket.sunk if position[n] < last), key=position.get))
-            removed += len(bucket.members) - 1
+    for members, moved in buckets:
+        if len(members) > 1:
+            _merge(gm, members, moved)
+            removed += len(members) - 1
     if removed:
         gm.graph.lint()
         gm.recompile()
     return removed
 
 
+def _gathers_issued_together(nodes: list, position: dict) -> list[tuple[list, list]]:
+    """Per ``issued_together`` block, the all-gathers of each group and dtype that may merge, and what moves."""
+    blocks: dict = {}
+    for node in nodes:
+        token = node.meta.get(_TOGETHER)
+        wait = _candidate(node, (_GATHER,)) if token is not None else None
+        if wait is not None and wait.meta.get(_TOGETHER) is token:
+            blocks.setdefault((token, _key(node)), []).append((node, wait))
+    found = []
+    for members in blocks.values():
+        moved = _moved_after(members, members[-1][0], nodes, position) if len(members) > 1 else None
+        if moved is not None:
+            found.append((members, moved))
+    return found
+
+
 def _merge(gm: GraphModule, members: list[tuple[Node, Node]], moved: list[Node]) -> None:
-    """One collective for ``members`` where the last ran; ``moved`` (accumulations of their results that came
-    before it) after it, in their order."""
+    """One collective for ``members`` where the last ran; ``moved`` (what read their results before it) after it, in
+    its order."""
     graph = gm.graph
     last, _ = members[-1]
     first = members[0][0]
     aten = torch.ops.aten
     fake_mode = first.args[0].meta["val"].fake_mode
-    scatter = first.target is _OPS.reduce_scatter_tensor.default
-    rows = first.args[2] if scatter else 1  # a reduce-scatter's input: one row per rank of the group
+    # a reduce-scatter's input holds one row per rank of the group, an all-gather's output does
+    rows = first.args[2] if first.target is _OPS.reduce_scatter_tensor.default else 1
 
     def call(target, args, value):
         new = graph.call_function(target, args)
@@ -177,13 +228,9 @@ def _merge(gm: GraphModule, members: list[tuple[Node, Node]], moved: list[Node])
             shape = [rows, value.numel() // rows]
             pieces.append(call(aten.reshape.default, (source, shape), value.reshape(shape)))
             sizes.append(shape[1])
-        values = [p.meta["val"] for p in pieces]
-        flat_value = torch.cat(values, dim=1)
+        flat_value = torch.cat([p.meta["val"] for p in pieces], dim=1)
         flat = call(aten.cat.default, (pieces, 1), flat_value)
-        if scatter:
-            reduced_value = _OPS.reduce_scatter_tensor.default(flat_value, *first.args[1:])
-        else:
-            reduced_value = _OPS.all_reduce.default(flat_value, *first.args[1:])
+        reduced_value = first.target(flat_value, *first.args[1:])
         reduced = call(first.target, (flat, *first.args[1:]), reduced_value)
         waited_value = _OPS.wait_tensor.default(reduced_value)
         waited = call(_OPS.wait_tensor.default, (reduced,), waited_value)
@@ -191,11 +238,15 @@ def _merge(gm: GraphModule, members: list[tuple[Node, Node]], moved: list[Node])
         parts = call(aten.split_with_sizes.default, (waited, sizes, 1), list(parts_value))
         for index, (_, wait) in enumerate(members):
             part = call(operator.getitem, (parts, index), parts_value[index])
+            part_value = parts_value[index]
+            if not part_value.is_contiguous():  # (an all-gather's rows: each rank's piece of every member)
+                part_value = part_value.clone(memory_format=torch.contiguous_format)
+                part = call(aten.clone.default, (part,), part_value)
             shape = list(wait.meta["val"].shape)
-            result = call(aten.view.default, (part, shape), parts_value[index].view(shape))
+            result = call(aten.view.default, (part, shape), part_value.view(shape))
             wait.replace_all_uses_with(result)
-    for user in moved:
-        last.prepend(user)
+    for node in moved:
+        last.prepend(node)
     for collective, wait in members:
         graph.erase_node(wait)
         graph.erase_node(collective)
