@@ -119,9 +119,24 @@ MODELS = _zoo_models()
 QWEN2_NAMES = ("llama", "mistral", "qwen2")
 
 
+def gpt2_tensor_parallel(axis_sbp: Callable) -> dict:
+    """GPT-2's Megatron-style plan. Its linears are ``Conv1D``, whose weight is (input, output): column-parallel
+    splits the weight's dim 1, row-parallel its dim 0. (``c_attn`` holds q, k and v side by side: split as one
+    weight, each rank's columns are not whole heads of each, which the dispatcher mends by an exchange per block.)"""
+    plan = {}
+    for layer in ("attn.c_attn", "mlp.c_fc"):
+        plan[f"*.{layer}.weight"], plan[f"*.{layer}.bias"] = axis_sbp(split(1)), axis_sbp(split(0))
+    for layer in ("attn.c_proj", "mlp.c_proj"):
+        plan[f"*.{layer}.weight"] = axis_sbp(split(0))
+    return plan
+
+
+PLANS_BY_TYPE = {"gpt2": gpt2_tensor_parallel}  # tensor-parallel plans of model types outside the zoo
+
+
 def causal_lm(name: str) -> CausalLM:
-    """The zoo's tiny model ``name``, or the model saved in the folder ``name`` (with the zoo's tensor-parallel plan
-    of its model type, where the zoo has one)."""
+    """The zoo's tiny model ``name``, or the model saved in the folder ``name`` (with the tensor-parallel plan of its
+    model type, where the zoo or ``PLANS_BY_TYPE`` has one)."""
     if name in MODELS:
         return MODELS[name]
     if not os.path.isdir(name):
@@ -134,7 +149,7 @@ def causal_lm(name: str) -> CausalLM:
     zoo_model = MODELS.get("qwen2" if kind in QWEN2_NAMES else kind)
     return CausalLM(
         lambda: transformers.AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32),
-        zoo_model.tensor_parallel if zoo_model else None,
+        zoo_model.tensor_parallel if zoo_model else PLANS_BY_TYPE.get(kind),
     )
 
 
