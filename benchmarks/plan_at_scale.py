@@ -5,7 +5,8 @@ simulated worlds in one process (torch's fake process group), with the H100 node
 
 * GPT-2-medium-shaped (24 layers, hidden 1024, 16 heads, sequence 1024, batch 64) on 64 ranks, every mesh;
 * GPT-3-175B-shaped (96 layers, hidden 12288, 96 heads, sequence 2048, bf16, batch 1536) on 1024 ranks, every
-  mesh, with 80 GB per rank and, since no layout the planner knows fits that, again without a limit.
+  mesh, with 80 GB per rank and again without a limit; then on the mesh of Megatron-LM's published layout without
+  its pipeline (data 128 x tensor 8: the planner has no pipeline stages), with 80 GB.
 
 Writes ``docs/benchmarks/plan_at_scale.md``: the search time, what was chosen, the best layouts tried. Each plan is
 made once, in a fresh process (``--quick``: the first case only)."""
@@ -19,12 +20,16 @@ import time
 
 import torch
 
+import sbp_torch as st
 from benchmarks import harness
 from sbp_torch import planner
 
 CASES = {
     "GPT-2-medium / 64 ranks": dict(layers=24, width=1024, heads=16, seq=1024, rows=64, world=64, dtype=None),
     "GPT-3-175B / 1024 ranks": dict(layers=96, width=12288, heads=96, seq=2048, rows=1536, world=1024, dtype="bf16"),
+    "GPT-3-175B / data 128 x tensor 8": dict(
+        layers=96, width=12288, heads=96, seq=2048, rows=1536, world=1024, dtype="bf16", mesh=(128, 8)
+    ),
 }
 
 
@@ -40,18 +45,19 @@ def _model(layers, width, heads, seq, dtype):
 def _row(name, case, limit):
     model = _model(case["layers"], case["width"], case["heads"], case["seq"], case["dtype"])
     ids = torch.zeros(case["rows"], case["seq"], dtype=torch.long)
+    world = case["world"]
+    if "mesh" in case:
+        world = st.placement("cpu", torch.arange(world).reshape(case["mesh"]).tolist())
     started = time.perf_counter()
     try:
-        plan = planner.plan(
-            model, {"input_ids": ids, "labels": ids}, case["world"], costs=planner.H100, memory_per_rank=limit
-        )
+        plan = planner.plan(model, {"input_ids": ids, "labels": ids}, world, costs=planner.H100, memory_per_rank=limit)
     except planner.PlanError as err:
         return {"case": name, "limit": limit, "seconds": time.perf_counter() - started, "error": str(err)}
     return {
         "case": name,
         "limit": limit,
         "seconds": time.perf_counter() - started,
-        "chosen": plan.label,
+        "chosen": plan.label + (" + recomputation" if plan.recompute else ""),
         "step_s": plan.predicted.step_s,
         "memory": plan.predicted.memory_bytes,
         "decisions": plan.decisions,
@@ -92,7 +98,11 @@ def report(rows) -> str:
                 harness.markdown_table(
                     ["layout", "predicted step", "memory per rank"],
                     [
-                        [a["label"], f"{a['step_s']:.3g} s", f"{a['memory_bytes'] / 1e9:.1f} GB"]
+                        [
+                            a["label"] + (" + recomputation" if a.get("recomputed") else ""),
+                            f"{a['step_s']:.3g} s",
+                            f"{a['memory_bytes'] / 1e9:.1f} GB",
+                        ]
                         for a in r["alternatives"]
                     ],
                 )
@@ -106,7 +116,7 @@ def main():
     args = parser.parse_args()
     rows = []
     for name, case in list(CASES.items())[: 1 if args.quick else None]:
-        limits = [float("inf")] if case["world"] < 1024 else [80e9, float("inf")]
+        limits = [float("inf")] if case["world"] < 1024 else [80e9] if "mesh" in case else [80e9, float("inf")]
         for limit in limits:
             rows.append(_row(name, case, limit))
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "alternatives"}, default=str), flush=True)
