@@ -196,6 +196,48 @@ def test_sharded_parameters_reduce_scatter_their_gradients_in_buckets(mesh, inpu
         assert together < alone, (together, alone)
 
 
+def _held_gradients(micro_batches: int):
+    """Data parallel on 3 ranks (uneven rows), gradients kept between steps (``zero_grad(set_to_none=False)``) and
+    accumulated over micro-batches, against one process; and the all-reduces of the steps by cause."""
+    p = st.placement("cpu", [0, 1, 2])
+    reference = _mlp()
+    model = copy.deepcopy(reference).to_global(p)
+    causes: list[str] = []
+
+    def train(net, lay_out=lambda t: t):
+        optimizer = torch.optim.AdamW(net.parameters(), lr=0.01)
+        losses = []
+        for x, y in _batches():
+            for xs, ys in zip(x.chunk(micro_batches), y.chunk(micro_batches)):
+                loss = nn.functional.mse_loss(net(lay_out(xs)), lay_out(ys)) / micro_batches
+                loss.backward()
+                losses.append(float(loss))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+        return losses
+
+    want = train(reference)
+    note = lambda kind, group, nbytes: causes.append(f"{kind}: {comm.cause()}")  # noqa: E731
+    with comm.observing(note):
+        got = train(model, lambda t: t.to_global(p, broadcast).to_global(sbp=split(0)))
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6)
+    for a, b in zip(reference.parameters(), model.parameters()):
+        torch.testing.assert_close(b.full_tensor(), a.detach(), rtol=1e-5, atol=1e-6)
+    return [c for c in causes if c.startswith("all-reduce")]
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_gradients_held_between_steps_are_accumulated_locally_and_reduced_in_one_bucket(micro_batches):
+    """A held gradient (zeroed in place, or an earlier micro-batch's, reduced) takes the arriving gradient's partial
+    layout before the add, so each backward reduces its parameters' sum once, in one bucket, not each gradient
+    apart before accumulating it."""
+    reductions = run_on_world(3, _held_gradients, micro_batches)[0]
+    steps, params = len(_batches()), len(list(_mlp().parameters()))
+    gradients = [c for c in reductions if "gradient reduction" in c]
+    assert len(gradients) == steps * micro_batches < steps * micro_batches * params
+    assert not [c for c in reductions if "add" in c], reductions
+
+
 def _backward_that_raises(bucket_mb):
     """A backward that raises midway (a hook on an activation, after the last layer's gradients have gone into
     a bucket), caught by the user, then steps that go on as usual: their gradients are reduced as in one process."""

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from .. import _comm as comm
-from .._boxing import axis_view, box_local, plan_boxing
+from .._boxing import axis_view, box_local, plan_boxing, run_plan
 from .._tensor import GlobalTensor, gradient_sbp, mark_reduced_at_use
 
 
@@ -43,9 +43,30 @@ class GradientReducer:
         _REDUCERS.add(self)
         module.register_forward_pre_hook(self._drop_if_left_behind)
         for param in params:
+            param.register_hook(self._held_in_arriving_layout(param))
             param.register_post_accumulate_grad_hook(self._on_accumulated)
             mark_reduced_at_use(param)
         _bucket_compiled_reductions()
+
+    @staticmethod
+    def _held_in_arriving_layout(param: nn.Parameter):
+        """The hook that runs before a gradient is accumulated into ``param.grad``: a gradient already held (zeroed
+        in place, or an earlier micro-batch's, reduced) is laid out as the arriving one where that moves nothing
+        (a broadcast sum as a partial one: one rank keeps it, the others hold zeros), so that accumulating is a local
+        add and the sum is reduced once, in a bucket, rather than the arriving gradient alone before the add."""
+
+        def hook(arriving):
+            held = param.grad
+            if not (isinstance(held, GlobalTensor) and isinstance(arriving, GlobalTensor)):
+                return None
+            if held._meta.sbp == arriving._meta.sbp or comm.traced() or torch.compiler.is_compiling():
+                return None
+            plan = plan_boxing(held._meta, arriving._meta.sbp)
+            if all(step.collective.startswith("local") for step in plan.steps):
+                param.grad = GlobalTensor(run_plan(held._local, plan), held._meta.with_sbp(arriving._meta.sbp))
+            return None
+
+        return hook
 
     @comm.naming_cause(lambda *_: _REDUCTION)
     def _on_accumulated(self, param: nn.Parameter) -> None:
