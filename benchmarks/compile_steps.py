@@ -29,6 +29,7 @@ import tempfile
 import torch
 
 from benchmarks import harness
+from zoo import dense
 
 LAYOUTS = ["dp", "sharded", "tp", "2d"]
 MODELS = ["qwen2", "mixtral", "llama", "gpt2"]
@@ -41,15 +42,7 @@ def _saved_models(folder: str) -> dict[str, str]:
 
     torch.manual_seed(0)
     configs = {
-        "llama": tf.LlamaConfig(
-            vocab_size=64,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-        ),
+        "llama": dense.llama_config(max_position_embeddings=64),
         "gpt2": tf.GPT2Config(
             vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0
         ),

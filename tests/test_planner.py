@@ -20,6 +20,8 @@ from world import run_on_world
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 import gpt  # noqa: E402
 
+from zoo import dense  # noqa: E402
+
 
 def _batch(rows=6):
     gen = torch.Generator().manual_seed(3)
@@ -151,15 +153,7 @@ def test_an_unmodified_transformers_model_on_the_meta_device_plans_with_dropout_
 
 def _tiny_llama(use_cache: bool):
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        use_cache=use_cache,
-    )
+    config = dense.llama_config(num_hidden_layers=1, use_cache=use_cache)
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config)
 

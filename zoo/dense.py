@@ -42,6 +42,16 @@ class ZooModel:
         return plan
 
 
+def llama_config(**overrides):
+    """A tiny Llama configuration (2 layers, hidden 32, 4 heads sharing 2 key/value heads), ``overrides`` applied."""
+    import transformers as tf
+
+    sizes = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    )
+    return tf.LlamaConfig(vocab_size=VOCAB, **{**sizes, **overrides})
+
+
 def _tokens(generator, rows):
     ids = torch.randint(0, VOCAB, (rows, SEQ), generator=generator)
     return {"input_ids": ids, "labels": ids}
