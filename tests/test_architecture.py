@@ -21,7 +21,7 @@ PACKAGE = ROOT / "sbp_torch"
 # Lines of code in sbp_torch/: docstrings, comments and blank lines are not counted, so that saying why never
 # competes with the code for room. It catches bloat; a feature that needs lines raises it, and code is never
 # packed to fit it.
-CODE_LINE_BUDGET = 12000
+CODE_LINE_BUDGET = 12100
 
 # module -> the modules it may import inside a function: optional or heavy, needed by one rarely used path
 LATE_IMPORTS = {

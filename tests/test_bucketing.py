@@ -67,6 +67,39 @@ def _communicating_reader(g1, g2, g3, x):
     return x.sum()
 
 
+def _list_written_then_read(g1, g2, g3, x):
+    """A reader writes a list of tensors in place (a foreach op), one of which is read before the next reduction:
+    the reader may not move past that read."""
+    torch._foreach_mul_([g1, g2], funcol.all_reduce(x * 2, "sum", _group()).sum())
+    y = g2 * 5
+    g3.add_(funcol.all_reduce(x * 3, "sum", _group()))
+    return y
+
+
+def _last_member_reads_a_write(g1, g2, g3, x):
+    """A reader writes the storage the last reduction reads (through a view made before): merged, the reduction
+    would read it unwritten."""
+    g1.add_(1.0)
+    v = g1.view(12)
+    g1.copy_(funcol.all_reduce(x * 2, "sum", _group()))
+    g2.view(12).add_(funcol.all_reduce(v, "sum", _group()))
+    return x.sum()
+
+
+def _two_buckets_read_together(g1, g2, g3, x):
+    """One node reads a result of each of two buckets (two dtypes) that end in the other order they began: it runs
+    after both."""
+    a = funcol.all_reduce(x * 2, "sum", _group())
+    b = funcol.all_reduce(x.double() * 3, "sum", _group())
+    both = a + b.float()
+    b2 = funcol.all_reduce(x.double() + 1, "sum", _group())
+    a2 = funcol.all_reduce(x * 4, "sum", _group())
+    g1.add_(both)
+    g2.add_(b2.float())
+    g3.add_(a2)
+    return x.sum()
+
+
 def _scattered(g1, g2, g3, x):
     """Reduce-scatters whose results lose padding (a slice) before they are accumulated: one bucket."""
     g1[:1].add_(funcol.reduce_scatter_single(x * 2, "sum", 0, _group())[:1])
@@ -82,6 +115,9 @@ PROGRAMS = {
     "holder read between": (_holder_read_between, 0),
     "pure readers": (_pure_readers, 1),
     "communicating reader": (_communicating_reader, 0),
+    "list written then read": (_list_written_then_read, 0),
+    "last member reads a write": (_last_member_reads_a_write, 0),
+    "two buckets read together": (_two_buckets_read_together, 2),
     "scattered": (_scattered, 2),
 }
 

@@ -53,7 +53,9 @@ class GradientReducer:
         """The hook that runs before a gradient is accumulated into ``param.grad``: a gradient already held (zeroed
         in place, or an earlier micro-batch's, reduced) is laid out as the arriving one where that moves nothing
         (a broadcast sum as a partial one: one rank keeps it, the others hold zeros), so that accumulating is a local
-        add and the sum is reduced once, in a bucket, rather than the arriving gradient alone before the add."""
+        add and the sum is reduced once, in a bucket, rather than the arriving gradient alone before the add.
+        (``torch.autograd.grad`` of the parameter runs the hook but accumulates nothing: a held gradient may then
+        stay partial, the same global value, until the next backward reduces it.)"""
 
         def hook(arriving):
             held = param.grad

@@ -300,8 +300,8 @@ class ShardedModel:
         """Traced: ``p`` in its compute layout (cast first: gathered in the compute dtype, as eagerly). In a program
         traced whole (``compile_step``), a unit's parameters are converted together at its first use, so that its
         gathers are issued back to back, as one bucket eagerly, and the program's bucketing merges them; they are
-        converted again after the unit's call ends. Dynamo traces Python state apart: there each module converts its
-        own."""
+        converted again after the unit's call ends, at the model's next forward, and in another grad mode. Dynamo
+        traces Python state apart: there each module converts its own."""
 
         def convert(q: _ShardedParameter) -> GlobalTensor:
             return q.stored.to(q.compute.dtype).to_global(sbp=q.compute.sbp)
@@ -312,11 +312,12 @@ class ShardedModel:
         if mode is None:
             return convert(p)
         held = self.traced_copies.get(unit)
-        if held is None or held[0]() is not mode:  # (none yet, or left by another trace)
+        grad = torch.is_grad_enabled()
+        if held is None or held[0]() is not mode or held[1] != grad:  # (none yet, another trace's, other grad mode)
             with comm.issued_together():
                 copies = {id(q): convert(q) for q in unit.params}
-            held = self.traced_copies[unit] = (weakref.ref(mode), copies)
-        return held[1][id(p)]
+            held = self.traced_copies[unit] = (weakref.ref(mode), grad, copies)
+        return held[2][id(p)]
 
     def _restore(self, module: nn.Module) -> None:
         swap = self.converted.pop(module, None)
@@ -326,6 +327,8 @@ class ShardedModel:
     def _begin_step(self) -> None:
         """A forward of the whole model starts: copies gathered before it may be stale (an optimizer step
         since), so they are dropped; what autograd saves is watched until it ends."""
+        if not torch.compiler.is_dynamo_compiling() and not _in_backward():
+            self.traced_copies.clear()
         if _traced() or _in_backward():
             return
         for unit in self.units:

@@ -68,23 +68,52 @@ def _wait_of(node: Node) -> Node | None:
 
 
 def _base(node):
-    """The node whose storage ``node`` views (itself where it is no view)."""
-    while isinstance(node, Node) and isinstance(node.target, torch._ops.OpOverload) and node.target.is_view:
-        node = node.args[0]
+    """The node whose storage ``node`` shares: through views, the pieces of a view that returns several
+    (``split``), and in-place or ``out=`` ops, which return the tensor they wrote (itself where it shares none)."""
+    while isinstance(node, Node):
+        if node.target is operator.getitem:
+            node = node.args[0]
+            continue
+        aliased = _aliased(node)
+        if aliased is None:
+            break
+        node = aliased
     return node
 
 
+def _aliased(node: Node):
+    """The argument an op's first result shares storage with (by its schema's alias sets), or None."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or not target._schema.returns:
+        return None
+    if target.is_view:  # (views of several results, ``split``, carry the alias on their list's elements)
+        return node.args[0] if isinstance(node.args[0], Node) else None
+    returned = target._schema.returns[0].alias_info
+    if returned is None:
+        return None
+    given = dict(zip((a.name for a in target._schema.arguments), node.args)) | node.kwargs
+    for argument in target._schema.arguments:
+        info = argument.alias_info
+        if info is not None and info.before_set & returned.before_set and argument.name in given:
+            value = given[argument.name]
+            return value if isinstance(value, Node) else None
+    return None
+
+
 def _written(node: Node) -> set:
-    """The storages (as ``_base`` nodes) an in-place op writes into."""
+    """The storages (as ``_base`` nodes) an in-place op writes into, each tensor of a written list included
+    (``_foreach_mul_``)."""
     target = node.target
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or not target._schema.is_mutable:
         return set()
     given = dict(zip((a.name for a in target._schema.arguments), node.args)) | node.kwargs
-    return {
-        _base(given[a.name])
-        for a in target._schema.arguments
-        if a.alias_info is not None and a.alias_info.is_write and a.name in given
-    }
+    written = set()
+    for argument in target._schema.arguments:
+        if argument.alias_info is None or not argument.alias_info.is_write or argument.name not in given:
+            continue
+        value = given[argument.name]
+        written |= {_base(v) for v in value} if isinstance(value, (list, tuple)) else {_base(value)}
+    return written
 
 
 def _movable(node: Node) -> bool:
@@ -108,8 +137,9 @@ def _candidate(node: Node, kinds) -> Node | None:
 
 def _key(node: Node) -> tuple:
     """What must agree for two collectives to share one: op, its arguments but the tensor (reduction, group
-    size, group name), dtype."""
-    return (node.target, *node.args[1:], node.args[0].meta["val"].dtype)
+    size, group name), dtype and device."""
+    value = node.args[0].meta["val"]
+    return (node.target, *node.args[1:], value.dtype, value.device)
 
 
 def _ancestors(node: Node, since: int, position: dict) -> set:
@@ -144,7 +174,7 @@ def _moved_after(members: list, until: Node, nodes: list, position: dict) -> lis
         inputs.setdefault(_base(collective.args[0]), position[collective])
     writes = set().union(*(_written(r) for r in readers))
     reads = {_base(a) for r in readers for a in r.all_input_nodes}
-    for node in nodes[start:end]:
+    for node in nodes[start : end + 1]:  # (the last member too: it reads its input after the readers have moved)
         if node in readers:
             continue
         written = _written(node)
@@ -178,7 +208,8 @@ def bucket_collectives(gm: GraphModule) -> int:
     buckets += open_buckets.values()
     buckets += _gathers_issued_together(nodes, position)
     removed = 0
-    for members, moved in buckets:
+    # (by where each runs: a node that reads two buckets' results moves after the later one, last)
+    for members, moved in sorted(buckets, key=lambda bucket: position[bucket[0][-1][0]]):
         if len(members) > 1:
             _merge(gm, members, moved)
             removed += len(members) - 1

@@ -128,7 +128,7 @@ def plan(
             if groups is None:
                 groups = groups_of(model, tracer.module_inputs)
             option_costs = OptionCosts(tracer, groups, costs, states, on_trace=reporter.traced)
-            tables, searched = _tables(option_costs, exhaustive_limit)
+            tables, searched = _tables(option_costs, exhaustive_limit, recompute=not compiled)
             methods.update(searched["methods"])
             traces += searched["traces"] + 1
             n_units = sum(len(g.units) for g in groups[1:])
@@ -252,9 +252,10 @@ class _Candidate(NamedTuple):
         )
 
 
-def _tables(option_costs: OptionCosts, limit: int) -> tuple[list[dict], dict]:
+def _tables(option_costs: OptionCosts, limit: int, recompute: bool) -> tuple[list[dict], dict]:
     """Per group (the root first) (option, recomputed) -> estimates by storage, for one mesh; and how the search
-    went."""
+    went. ``recompute``: offer each unit container recomputed (not for a compiled step, whose trace of a
+    checkpointed unit is not checked)."""
     groups, methods = option_costs.groups, set()
     tables: list[dict] = [{}]
     units_base = Estimate()  # the traced part of each container's first unit at "replicate": in the cut step
@@ -266,7 +267,7 @@ def _tables(option_costs: OptionCosts, limit: int) -> tuple[list[dict], dict]:
             {
                 (c, again): table[c] if not again else option_costs.recomputed[index, c]
                 for c in table
-                for again in (False, True)
+                for again in ((False, True) if recompute else (False,))
             }
         )
         units_base = units_base + option_costs.traced[index, option_costs.replicate(groups[index])]
