@@ -35,8 +35,8 @@ process.
    sbp_torch's dispatcher instead. ``--backend`` is the ``torch.compile`` backend the program is handed to:
    ``eager`` (the default) runs it as traced, ``aot_eager`` and ``inductor`` compile it further. The default is
    the one that keeps the first command under a minute: on 4 CPU ranks sharing 2 cores, the default model's
-   program traced in 7 s with ``eager`` and 11 s with ``aot_eager``, and Inductor's cold compile took 129 s, where
-   the steps after took about 0.2 s with each (on a model this small a step is Python and collectives).
+   program traced in 7 s with ``eager`` and 11 s with ``aot_eager``, and Inductor's cold compile took 129 s; the
+   traced program's steps take about 25 ms (on a model this small a step is Python and collectives).
 5. **Checkpoints.** With ``--checkpoint-dir``, the model, AdamW's state, the schedule and the losses so far are saved
    every ``--checkpoint-every`` steps to ``DIR/step-N`` through ``sbp_torch.checkpoint`` (docs/checkpoint.md), and a
    plan to ``DIR/plan.json``. ``--resume`` continues from the last checkpoint (``--resume N``: from ``step-N``),
