@@ -494,6 +494,55 @@ def test_clipping_inside_the_step(kind):
             assert (gathers, scatters) == (1, 1) and parameters > 1
 
 
+class ScaledByANoGradProbe(nn.Module):
+    """Its first module runs without autograd (a probe that scales the result), the second with it: a sharded
+    unit's parameters converted at the probe's call must not stand in for the second's."""
+
+    def __init__(self):
+        super().__init__()
+        self.probe = nn.Linear(6, 1)
+        self.body = nn.Linear(6, 6)
+
+    def forward(self, x):
+        with torch.no_grad():
+            scale = torch.sigmoid(self.probe(x)).mean()
+        return (self.body(x) * scale).pow(2).mean()
+
+
+def _sharded_unit_entered_without_grad():
+    torch.manual_seed(0)
+    reference = ScaledByANoGradProbe()
+    model = copy.deepcopy(reference)
+    placement = st.placement("cpu", [0, 1])
+    model.to_global(placement, B, shard=0)
+    ref_opt, optimizer = _adamw(reference), _adamw(model)
+    batches = _batches(4, 6, 6)
+    want = []
+    for x in batches:
+        loss = reference(x)
+        ref_opt.zero_grad()
+        loss.backward()
+        ref_opt.step()
+        want.append(loss.item())
+
+    @st.compile_step(model=model, optimizer=optimizer, backend=None)
+    def step(x):
+        loss = model(x.to_global(placement, (B,), check_meta=False).to_global(sbp=(S(0),)))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    got = [step(x).item() for x in batches]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    _assert_params_match(model, reference)
+    return step.traces
+
+
+def test_a_sharded_unit_whose_first_module_runs_without_grad_trains_like_one_process():
+    assert run_on_world(2, _sharded_unit_entered_without_grad) == [1, 1]
+
+
 class TwoHeads(nn.Module):
     def __init__(self):
         super().__init__()
