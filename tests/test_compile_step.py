@@ -517,22 +517,8 @@ def _sharded_unit_entered_without_grad():
     model.to_global(placement, B, shard=0)
     ref_opt, optimizer = _adamw(reference), _adamw(model)
     batches = _batches(4, 6, 6)
-    want = []
-    for x in batches:
-        loss = reference(x)
-        ref_opt.zero_grad()
-        loss.backward()
-        ref_opt.step()
-        want.append(loss.item())
-
-    @st.compile_step(model=model, optimizer=optimizer, backend=None)
-    def step(x):
-        loss = model(x.to_global(placement, (B,), check_meta=False).to_global(sbp=(S(0),)))
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        return loss
-
+    want = _plain_steps(reference, ref_opt, batches)
+    step = _global_step(model, optimizer, placement, S(0), None)
     got = [step(x).item() for x in batches]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     _assert_params_match(model, reference)
