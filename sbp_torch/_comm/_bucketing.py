@@ -81,6 +81,11 @@ def _base(node):
     return node
 
 
+def _arguments(node: Node) -> dict:
+    """An op node's arguments by their schema names."""
+    return dict(zip((a.name for a in node.target._schema.arguments), node.args)) | node.kwargs
+
+
 def _aliased(node: Node):
     """The argument an op's first result shares storage with (by its schema's alias sets), or None."""
     target = node.target
@@ -91,7 +96,7 @@ def _aliased(node: Node):
     returned = target._schema.returns[0].alias_info
     if returned is None:
         return None
-    given = dict(zip((a.name for a in target._schema.arguments), node.args)) | node.kwargs
+    given = _arguments(node)
     for argument in target._schema.arguments:
         info = argument.alias_info
         if info is not None and info.before_set & returned.before_set and argument.name in given:
@@ -106,7 +111,7 @@ def _written(node: Node) -> set:
     target = node.target
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or not target._schema.is_mutable:
         return set()
-    given = dict(zip((a.name for a in target._schema.arguments), node.args)) | node.kwargs
+    given = _arguments(node)
     written = set()
     for argument in target._schema.arguments:
         if argument.alias_info is None or not argument.alias_info.is_write or argument.name not in given:
