@@ -77,23 +77,24 @@ def _merged(a: dict, b: dict, k: float) -> dict:
 
 def from_trace(measured: Measured, costs: CostModel) -> Estimate:
     """The estimate of a traced piece: its ops' roofline time, its collectives, its saved activations."""
-    compute = sum(costs.op_s(flops, nbytes, dtype) for flops, nbytes, dtype in measured.ops)
-    comm = sum(costs.collective_s(c.kind, c.ranks, _bytes(c)) for c in measured.collectives)
-    kinds = dict(collections.Counter(c.kind.split(" (")[0] for c in measured.collectives))
     memory = {"activations": measured.saved_bytes, "temporaries": max(measured.peak_bytes - measured.saved_bytes, 0)}
-    return Estimate(compute, comm, memory=memory, collectives=kinds)
+    return _priced(measured.ops, measured.collectives, costs, memory)
 
 
 def recomputed_forward(measured: Measured, costs: CostModel) -> Estimate:
     """What recomputing a traced unit in backward adds to its estimate: its forward's ops and collectives once
-    more, and its inputs kept in place of its activations (one unit's activations are alive again while its
-    backward runs: ``recompute_memory``)."""
-    forward = measured.ops[: measured.forward_ops]
-    compute = sum(costs.op_s(flops, nbytes, dtype) for flops, nbytes, dtype in forward)
+    more, and its inputs kept in place of its activations (the activations of the one unit whose backward runs,
+    alive again, are the caller's to add: ``OptionCosts.unit_option``'s ``recomputed`` term)."""
     again = [c for c in measured.collectives if not c.backward]
-    comm = sum(costs.collective_s(c.kind, c.ranks, _bytes(c)) for c in again)
-    kinds = dict(collections.Counter(c.kind.split(" (")[0] for c in again))
     memory = {"activations": measured.input_bytes - measured.saved_bytes}
+    return _priced(measured.ops[: measured.forward_ops], again, costs, memory)
+
+
+def _priced(ops: list, collectives: list, costs: CostModel, memory: dict) -> Estimate:
+    """Ops at their roofline time and collectives at theirs, with ``memory``."""
+    compute = sum(costs.op_s(flops, nbytes, dtype) for flops, nbytes, dtype in ops)
+    comm = sum(costs.collective_s(c.kind, c.ranks, _bytes(c)) for c in collectives)
+    kinds = dict(collections.Counter(c.kind.split(" (")[0] for c in collectives))
     return Estimate(compute, comm, memory=memory, collectives=kinds)
 
 

@@ -135,9 +135,8 @@ class Plan:
             for pattern, text in self.boundaries.items():
                 if names_unit(pattern, name):
                     BoundaryPin.install(sub, sbp_from_text(text))
-        for name, sub in module.named_modules():
-            # (after the layout's hooks: a recomputation calls the unit again through them, gathering its
-            # sharded parameters and pinning its input as the first call did)
+            # (after the layout's hooks and the pin: a recomputation calls the unit again through them, gathering
+            # its sharded parameters and pinning its input as the first call did)
             if any(names_unit(pattern, name) for pattern in self.recompute):
                 recomputed_in_backward(sub)
         return module
